@@ -1,0 +1,203 @@
+"""Vectorised best-first trees for a batch: a per-depth top-M beam, exact w.r.t. the heap in `tree.py`.
+
+Why the beam is exact. Order all nodes by the key of `tree.py`: (-log ρ, depth, rank tuple). Let M_d =
+min(N - d + 1, K^d) and let B_d be the first M_d depth-d nodes in that order.
+
+1. The global top-N nodes of depth d lie in B_d. A depth-d node x in the top N is preceded by its d - 1
+   ancestors (each has a score >= x's and a smaller depth), so at most N - d depth-d nodes precede it.
+2. B_d consists of children of B_{d-1}. Let x = (p, r) be a depth-d node with parent p. For every depth-(d-1)
+   node p' preceding p, the node (p', r) precedes x: its score s(p') + log q_d(r) is >= x's, and on a tie
+   s(p') = s(p), so p' is lexicographically smaller than p, and so is (p', r) than (p, r). These are distinct
+   nodes, so x has at least as many depth-d predecessors as p has depth-(d-1) predecessors. If x is in B_d it
+   has fewer than M_d <= M_{d-1} (or all K^{d-1} nodes are kept) predecessors, hence p is in B_{d-1}.
+3. Pruning. If p sits at position i of B_{d-1} (0-based, in order) then the (i+1)(r+1) - 1 nodes (p', r')
+   with p' at a position <= i and r' <= r, other than x, all precede x (same argument as in 2 with both
+   coordinates). So x in B_d requires (i+1)(r+1) <= M_d: only O(M_d log K) candidate pairs are scored, not
+   M_{d-1}·K.
+So B_d is the top M_d of the pruned children of B_{d-1}; the union of B_1..B_D contains the global top N,
+and its top N under the same key is exactly what the heap pops, in the same order. Scores are formed as
+parent_score + logprob in float64, the same operation as the heap, so ties are the same ties.
+
+Ordering within a depth uses a lexicographic rank: the rank tuple (p, r) compares as (lexrank(p), r), so
+`lexrank(p) · K + r` is a unique integer key with the same order. Every sort is a pair of stable sorts
+(secondary key first), which torch provides on CPU and CUDA; nothing leaves the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
+
+
+@dataclass(frozen=True)
+class DraftTreeBatch:
+    """One best-first DraftTree per request, stacked. Every row has the same node count N."""
+
+    tokens: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64: parent index within the row, or ROOT (-1)
+    depths: torch.Tensor  # [B, N] int64: 1..D
+    log_scores: torch.Tensor  # [B, N] float64: non-increasing along each row
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def row(self, i: int) -> DraftTree:
+        return DraftTree(self.tokens[i], self.parents[i], self.depths[i], self.log_scores[i])
+
+
+def lattice_size(depth_count: int, width: int, cap: int) -> int:
+    """Σ_{d=1..D} K^d, the number of prefixes in the top-K lattice, capped at `cap`."""
+    total, level = 0, 1
+    for _ in range(depth_count):
+        level *= width
+        total += level
+        if total >= cap:
+            return cap
+    return total
+
+
+def beam_widths(depth_count: int, width: int, budget: int) -> list[int]:
+    """M_d = min(N - d + 1, K^d) for d = 1.. while positive (N = budget capped at the lattice size)."""
+    n = lattice_size(depth_count, width, budget)
+    widths: list[int] = []
+    level = 1
+    for d in range(1, depth_count + 1):
+        level = min(level * width, n)
+        m = min(n - d + 1, level)
+        if m <= 0:
+            break
+        widths.append(m)
+    return widths
+
+
+@lru_cache(maxsize=256)
+def _candidate_pairs(
+    prev_width: int, width: int, keep: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Beam positions i and ranks r with (i+1)(r+1) <= keep, i < prev_width, r < width (see module doc, 3)."""
+    pos = [i for r in range(width) for i in range(min(prev_width, keep // (r + 1)))]
+    rank = [r for r in range(width) for _ in range(min(prev_width, keep // (r + 1)))]
+    return (
+        torch.tensor(pos, dtype=torch.int64, device=device),
+        torch.tensor(rank, dtype=torch.int64, device=device),
+    )
+
+
+def _order(scores: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting each row by (score descending, secondary ascending). [B, M] -> [B, M] int64."""
+    by_secondary = torch.sort(secondary, dim=1, stable=True).indices
+    by_score = torch.sort(scores.gather(1, by_secondary), dim=1, descending=True, stable=True).indices
+    return by_secondary.gather(1, by_score)
+
+
+def _rank_of(keys: torch.Tensor) -> torch.Tensor:
+    """Ascending rank (0..M-1) of each entry of each row of distinct integer keys [B, M]."""
+    order = torch.argsort(keys, dim=1)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(keys.shape[1], device=keys.device).expand_as(order))
+    return ranks
+
+
+def build_trees(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """Batched `build_tree`: row b equals `build_tree(logprobs[b], token_ids[b], budget)` exactly.
+
+    logprobs: [B, D, K] log q_d of the top-K tokens per depth, rows sorted descending.
+    token_ids: [B, D, K] the matching token ids.
+    budget: maximum nodes per request (root excluded); N = min(budget, Σ K^d).
+    Runs on the device of `logprobs` with no host synchronisation (all sizes come from shapes).
+    """
+    validate_draft(logprobs, token_ids, batched=True)
+    validate_budget(budget)
+    return build_trees_unchecked(logprobs, token_ids, budget)
+
+
+def build_trees_unchecked(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """`build_trees` without input validation, for callers that produced the arrays themselves."""
+    batch, depth_count, width = logprobs.shape
+    device = logprobs.device
+    lp = logprobs.to(torch.float64)
+    widths = beam_widths(depth_count, width, budget)
+    if not widths:
+        empty = torch.empty((batch, 0), dtype=torch.int64, device=device)
+        return DraftTreeBatch(
+            empty, empty, empty, torch.empty((batch, 0), dtype=torch.float64, device=device)
+        )
+
+    # Depth 1: all K tokens are candidates; their lexicographic key is the rank itself.
+    ranks1 = torch.arange(width, device=device).expand(batch, width)
+    order = _order(lp[:, 0], ranks1)[:, : widths[0]]
+    beam_scores = lp[:, 0].gather(1, order)
+    beam_ranks = order
+    beam_lex = _rank_of(order)
+    level_scores, level_parents, level_tokens, level_lex = [beam_scores], [None], [], [beam_lex]
+    level_tokens.append(token_ids[:, 0].gather(1, beam_ranks))
+
+    for d in range(1, len(widths)):
+        keep = widths[d]
+        pos, rank = _candidate_pairs(widths[d - 1], width, keep, device)
+        scores = beam_scores[:, pos] + lp[:, d, rank]  # parent_score + logprob, as in the heap
+        lex_keys = beam_lex[:, pos] * width + rank
+        chosen = _order(scores, lex_keys)[:, :keep]
+        beam_scores = scores.gather(1, chosen)
+        parent_pos = pos[chosen]
+        beam_ranks = rank[chosen]
+        beam_lex = _rank_of(lex_keys.gather(1, chosen))
+        level_scores.append(beam_scores)
+        level_parents.append(parent_pos)
+        level_tokens.append(token_ids[:, d].gather(1, beam_ranks))
+        level_lex.append(beam_lex)
+
+    return _merge_levels(level_scores, level_parents, level_tokens, level_lex, widths, budget)
+
+
+def _merge_levels(
+    level_scores: list[torch.Tensor],
+    level_parents: list[torch.Tensor | None],
+    level_tokens: list[torch.Tensor],
+    level_lex: list[torch.Tensor],
+    widths: list[int],
+    budget: int,
+) -> DraftTreeBatch:
+    """Merge the per-depth beams into the global best-first order and re-index parents."""
+    device = level_scores[0].device
+    batch = level_scores[0].shape[0]
+    n = min(budget, sum(widths))
+    offsets = [0]
+    for m in widths[:-1]:
+        offsets.append(offsets[-1] + m)
+    stride = max(widths)
+    scores = torch.cat(level_scores, dim=1)
+    tokens = torch.cat(level_tokens, dim=1)
+    secondary = torch.cat([lex + d * stride for d, lex in enumerate(level_lex)], dim=1)
+    depths = torch.cat(
+        [torch.full((m,), d + 1, dtype=torch.int64, device=device) for d, m in enumerate(widths)]
+    ).expand(batch, -1)
+    # Parent of each beam entry as an index into the concatenation (ROOT for depth 1).
+    parent_flat = torch.cat(
+        [
+            torch.full((batch, widths[0]), ROOT, dtype=torch.int64, device=device),
+            *[p + offsets[d - 1] for d, p in enumerate(level_parents) if p is not None],
+        ],
+        dim=1,
+    )
+    order = _order(scores, secondary)[:, :n]
+    total = scores.shape[1]
+    new_index = torch.full((batch, total + 1), ROOT, dtype=torch.int64, device=device)
+    new_index[:, :total].scatter_(1, order, torch.arange(n, device=device).expand(batch, n))
+    picked_parents = parent_flat.gather(1, order)
+    parents = new_index.gather(1, torch.where(picked_parents == ROOT, total, picked_parents))
+    return DraftTreeBatch(
+        tokens=tokens.gather(1, order).to(torch.int64),
+        parents=parents,
+        depths=depths.gather(1, order),
+        log_scores=scores.gather(1, order),
+    )

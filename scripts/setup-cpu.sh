@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv with CPU torch, SGLang 0.5.23 (CPU-pinned dependencies) and this package with its test tools.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet --no-deps sglang==0.5.23
+python -m pip install --quiet -r requirements/sglang-cpu.txt
+python -m pip install --quiet -e ".[reference,plot,test]"
+python -m pip check >/dev/null || python -m pip check | grep -v -E "^sglang " || true
+echo "ready: $(python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)')"
