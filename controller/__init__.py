@@ -4,6 +4,14 @@ Imports torch, numpy and pydantic only (never sglang): usable and testable with 
 """
 
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees
+from bastion_sglang.controller.latency import (
+    FitReport,
+    LatencyFit,
+    LatencyModel,
+    LatencySample,
+    evaluate_fit,
+    fit_latency,
+)
 from bastion_sglang.controller.policies import (
     AdaptivePolicy,
     BatchPlan,
@@ -14,21 +22,51 @@ from bastion_sglang.controller.policies import (
     parse_policy,
     plan_batch,
 )
+from bastion_sglang.controller.profile import (
+    PROFILE_SCHEMA_VERSION,
+    CalibrationProfile,
+    ProfileError,
+    ProfileMetadata,
+    StepCosts,
+    config_hash,
+    load_profile,
+    save_profile,
+)
+from bastion_sglang.controller.roofline import KNOWN_GPUS, HardwareSpec, ModelShape, RooflineModel, lookup_gpu
 from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, expected_accept_length
 
 __all__ = [
+    "KNOWN_GPUS",
+    "PROFILE_SCHEMA_VERSION",
     "ROOT",
     "AdaptivePolicy",
     "BatchPlan",
     "BucketedAdaptivePolicy",
     "BudgetPolicy",
+    "CalibrationProfile",
     "ChainPolicy",
     "DraftTree",
     "DraftTreeBatch",
+    "FitReport",
     "FixedPolicy",
+    "HardwareSpec",
+    "LatencyFit",
+    "LatencyModel",
+    "LatencySample",
+    "ModelShape",
+    "ProfileError",
+    "ProfileMetadata",
+    "RooflineModel",
+    "StepCosts",
     "build_tree",
     "build_trees",
+    "config_hash",
+    "evaluate_fit",
     "expected_accept_length",
+    "fit_latency",
+    "load_profile",
+    "lookup_gpu",
     "parse_policy",
     "plan_batch",
+    "save_profile",
 ]

@@ -113,7 +113,10 @@ class BucketedAdaptivePolicy:
 
     A verify pass padded to a captured CUDA-graph width costs the same whatever fills it, so the nodes
     that fill a paid bucket are free. For each bucket w (tokens per request) the tree holds
-    n = min(w - 1, N) nodes and costs Ĉ at width w; the bucket with the largest Ŝ wins (the smaller on a tie).
+    n = min(w - 1, N) nodes and costs Ĉ at the bucket it is padded to; the largest Ŝ wins (the smaller n on a
+    tie). Within one bucket the cost is flat and Â rises, so this is the argmax of Ŝ over every n when the
+    latency model has the same buckets: never below the first-drop rule on step-function costs.
+    The latency model must be built with these width buckets (it does the padding).
     """
 
     width_buckets: tuple[int, ...]
@@ -131,11 +134,13 @@ class BucketedAdaptivePolicy:
         available = int(log_scores.shape[0])
         if available == 0:
             return 0
-        widths = torch.tensor(self.width_buckets, dtype=torch.int64)
-        nodes = torch.clamp(widths - 1, max=available)
+        nodes = torch.unique(
+            torch.clamp(torch.tensor(self.width_buckets, dtype=torch.int64) - 1, max=available)
+        )
         accept = expected_accept_curve(log_scores).cpu()[nodes]
-        speedup = accept * costs.l_ar / (costs.t_draft + costs.t_aux + latency.predict_many(widths, ctx_len))
-        return int(nodes[int(torch.argmax(speedup))])
+        verify = latency.predict_many(nodes + 1, ctx_len)  # the latency model pads to the bucket itself
+        speedup = accept * costs.l_ar / (costs.t_draft + costs.t_aux + verify)
+        return int(nodes[int(torch.argmax(speedup))])  # argmax returns the first (smallest) maximiser
 
 
 def parse_policy(spec: str, width_buckets: Sequence[int] | None = None) -> BudgetPolicy | None:

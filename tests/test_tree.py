@@ -118,7 +118,9 @@ def test_optimal_against_tree_knapsack(depth: int, width: int, budget: int, seed
     tree = build_tree(logprobs, token_ids, budget)
     assert len(tree) == size
     assert_valid_best_first(tree, logprobs, token_ids)
-    assert expected_accept_length(tree) - 1.0 == pytest.approx(best_by_tree_knapsack(logprobs, size), rel=1e-12)
+    assert expected_accept_length(tree) - 1.0 == pytest.approx(
+        best_by_tree_knapsack(logprobs, size), rel=1e-12
+    )
     for n in range(size + 1):
         assert expected_accept_length(tree, n) - 1.0 == pytest.approx(
             best_by_tree_knapsack(logprobs, n), rel=1e-12
@@ -166,7 +168,12 @@ def test_batched_large_budget_realistic_shape() -> None:
 @pytest.mark.parametrize(
     ("logprobs", "token_ids", "budget", "message"),
     [
-        (torch.tensor([[-0.1, -0.5], [-2.0, -0.2]]), torch.zeros(2, 2, dtype=torch.int64), 4, "sorted descending"),
+        (
+            torch.tensor([[-0.1, -0.5], [-2.0, -0.2]]),
+            torch.zeros(2, 2, dtype=torch.int64),
+            4,
+            "sorted descending",
+        ),
         (torch.tensor([[0.5, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4, "<= 0"),
         (torch.tensor([[float("nan"), -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4, "NaN"),
         (torch.tensor([-0.1, -0.5]), torch.zeros(2, dtype=torch.int64), 4, "[D, K]"),

@@ -1,0 +1,218 @@
+"""Budget policies and batch planning against brute force over every budget."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from bastion_sglang.controller import (
+    AdaptivePolicy,
+    BucketedAdaptivePolicy,
+    ChainPolicy,
+    FixedPolicy,
+    build_tree,
+    build_trees,
+    parse_policy,
+    plan_batch,
+)
+from bastion_sglang.controller.latency import LatencyFit, LatencyModel
+from bastion_sglang.controller.policies import expected_accept_curve, speedup_curve
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+
+QWEN3_8B = ModelShape(
+    num_layers=36,
+    hidden_size=4096,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_size=12288,
+    vocab_size=151936,
+)
+H100 = HardwareSpec(name="H100 SXM", peak_flops=989e12, bandwidth=3.35e12)
+COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1025)
+
+
+def latency(buckets: tuple[int, ...] | None = None) -> LatencyModel:
+    # A calibrated fit with offsets (as measured fits have) keeps Ĉ convex in s.
+    fit = LatencyFit(alpha_c=1.4, beta_c=4e-3, alpha_m=1.1, beta_m=3e-3)
+    return LatencyModel(RooflineModel(QWEN3_8B, H100), fit=fit, width_buckets=buckets)
+
+
+def draft_scores(seed: int, budget: int = 1024, sharpness: float = 3.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = sharpness * torch.randn(15, 512, generator=generator, dtype=torch.float64)
+    top = torch.log_softmax(logits, -1).topk(64, -1)
+    return build_tree(top.values, top.indices, budget).log_scores
+
+
+def speedups(log_scores: torch.Tensor, ctx: int, model: LatencyModel) -> torch.Tensor:
+    """Ŝ(n) for n = 1..N computed one budget at a time with `predict` (independent of the policy code)."""
+    accept = expected_accept_curve(log_scores)
+    values = [
+        float(accept[n]) * COSTS.l_ar / (COSTS.t_draft + COSTS.t_aux + model.predict(n + 1, ctx))
+        for n in range(1, log_scores.shape[0] + 1)
+    ]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("ctx", [64, 1024, 8192])
+def test_first_drop_is_the_argmax_under_concave_accept_and_convex_cost(seed: int, ctx: int) -> None:
+    scores = draft_scores(seed, sharpness=1.0 + seed)
+    model = latency()
+    brute = speedups(scores, ctx, model)
+    assert torch.allclose(speedup_curve(scores, ctx, model, COSTS), brute, rtol=1e-12)
+    n = AdaptivePolicy().choose(scores, ctx, model, COSTS)
+    assert 1 <= n <= scores.shape[0]
+    assert float(brute[n - 1]) == pytest.approx(float(brute.max()), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("ctx", [64, 2048])
+def test_bucketed_is_never_below_first_drop_on_step_costs(seed: int, ctx: int) -> None:
+    scores = draft_scores(100 + seed, sharpness=0.5 + seed)
+    model = latency(BUCKETS)
+    brute = speedups(scores, ctx, model)
+    first_drop = AdaptivePolicy().choose(scores, ctx, model, COSTS)
+    bucketed = BucketedAdaptivePolicy(BUCKETS[1:]).choose(scores, ctx, model, COSTS)
+    assert float(brute[bucketed - 1]) >= float(brute[first_drop - 1])
+    assert float(brute[bucketed - 1]) == pytest.approx(float(brute.max()), rel=1e-12)
+    assert bucketed + 1 in BUCKETS or bucketed == scores.shape[0]
+
+
+def test_bucketed_strictly_beats_first_drop_somewhere() -> None:
+    """A step cost is not convex: the first drop can stop inside a cheap plateau that a later bucket beats."""
+    model = latency(BUCKETS)
+    wins = 0
+    for seed in range(20):
+        scores = draft_scores(200 + seed, sharpness=0.5 + seed / 4)
+        brute = speedups(scores, 1024, model)
+        first_drop = AdaptivePolicy().choose(scores, 1024, model, COSTS)
+        bucketed = BucketedAdaptivePolicy(BUCKETS[1:]).choose(scores, 1024, model, COSTS)
+        wins += float(brute[bucketed - 1]) > float(brute[first_drop - 1]) * (1 + 1e-9)
+    assert wins > 0
+
+
+def test_fixed_and_chain() -> None:
+    scores = draft_scores(3, budget=40)
+    model = latency()
+    assert FixedPolicy(16).choose(scores, 100, model, COSTS) == 16
+    assert FixedPolicy(400).choose(scores, 100, model, COSTS) == 40
+    chain = ChainPolicy()
+    assert chain.topk_cap == 1
+    generator = torch.Generator().manual_seed(0)
+    top = torch.log_softmax(torch.randn(15, 100, generator=generator), -1).topk(8, -1)
+    tree = build_tree(top.values[:, : chain.topk_cap], top.indices[:, : chain.topk_cap], 1024)
+    assert chain.choose(tree.log_scores, 100, model, COSTS) == 15
+    assert tree.tokens.tolist() == top.indices[:, 0].tolist()  # the drafter's argmax at every depth
+    assert tree.parents.tolist() == [-1, *range(14)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("adaptive", AdaptivePolicy()),
+        ("chain", ChainPolicy()),
+        ("fixed:64", FixedPolicy(64)),
+        (" Fixed:8 ", FixedPolicy(8)),
+        ("bucketed", BucketedAdaptivePolicy((16, 32))),
+        ("ar", None),
+    ],
+)
+def test_parse_policy(spec: str, expected: object) -> None:
+    assert parse_policy(spec, width_buckets=(16, 32)) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "buckets", "message"),
+    [
+        ("fixed:0", None, "positive integer"),
+        ("fixed:x", None, "positive integer"),
+        ("greedy", None, "unknown policy 'greedy'"),
+        ("bucketed", None, "needs width buckets"),
+        ("bucketed", (32, 16), "sorted, unique"),
+    ],
+)
+def test_parse_policy_errors(spec: str, buckets: tuple[int, ...] | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_policy(spec, width_buckets=buckets)
+
+
+def batch_trees(batch: int, budget: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (1.0 + 3 * torch.rand(batch, 1, 1, generator=generator)) * torch.randn(
+        batch, 15, 256, generator=generator
+    )
+    top = torch.log_softmax(logits, -1).topk(32, -1)
+    return build_trees(top.values, top.indices, budget)
+
+
+def batch_objective(trees, counts: list[int], contexts: list[int], model: LatencyModel) -> float:
+    gains = torch.exp(trees.log_scores)
+    accept = sum(1.0 + float(gains[i, :n].sum()) for i, n in enumerate(counts))
+    verify = model.predict_batch([n + 1 for n in counts], contexts)
+    return accept * COSTS.l_ar / (COSTS.t_draft + COSTS.t_aux + verify)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_batch_common_width_is_the_best_common_width(seed: int) -> None:
+    trees = batch_trees(4, 256, seed)
+    contexts = [100, 900, 3000, 40]
+    model = latency()
+    plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=True)
+    assert len(set(plan.node_counts)) == 1
+    assert plan.width == plan.node_counts[0] + 1
+    brute = [batch_objective(trees, [n] * 4, contexts, model) for n in range(1, 257)]
+    assert plan.estimated_speedup == pytest.approx(max(brute), rel=1e-12)
+    assert plan.estimated_verify_seconds == pytest.approx(model.predict_batch([plan.width] * 4, contexts))
+
+
+def test_plan_batch_fixed_chain_bucketed() -> None:
+    trees = batch_trees(3, 64, 9)
+    model = latency(BUCKETS)
+    contexts = [10, 20, 30]
+    assert plan_batch(trees, contexts, model, COSTS, FixedPolicy(16)).node_counts == (16, 16, 16)
+    assert plan_batch(trees, contexts, model, COSTS, ChainPolicy()).width == 65
+    bucketed = plan_batch(trees, contexts, model, COSTS, BucketedAdaptivePolicy(BUCKETS[1:]))
+    candidates = sorted({min(w - 1, 64) for w in BUCKETS[1:]})
+    brute = {n: batch_objective(trees, [n] * 3, contexts, model) for n in candidates}
+    assert bucketed.estimated_speedup == pytest.approx(max(brute.values()), rel=1e-12)
+
+
+def test_plan_batch_ragged_hands_out_nodes_by_score() -> None:
+    trees = batch_trees(3, 128, 4)
+    contexts = [64, 64, 64]
+    model = latency()
+    plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=False)
+    chosen = [float(trees.log_scores[i, n - 1]) for i, n in enumerate(plan.node_counts) if n > 0]
+    left = [float(trees.log_scores[i, n]) for i, n in enumerate(plan.node_counts) if n < 128]
+    assert min(chosen) >= max(left)
+    assert plan.width == max(plan.node_counts) + 1
+    # The greedy walk stopped at a drop: one more node by score does not help.
+    best_next = max(range(3), key=lambda i: float(trees.log_scores[i, plan.node_counts[i]]))
+    more = list(plan.node_counts)
+    more[best_next] += 1
+    assert batch_objective(trees, more, contexts, model) < plan.estimated_speedup
+
+
+def test_plan_batch_rejects_mismatched_contexts() -> None:
+    trees = batch_trees(2, 8, 0)
+    with pytest.raises(ValueError, match="ctx_lens has 3 entries for a batch of 2"):
+        plan_batch(trees, [1, 2, 3], latency(), COSTS, AdaptivePolicy())
+
+
+def test_brute_force_helpers_agree_on_tiny_case() -> None:
+    """The common-width optimum equals an exhaustive search over all equal allocations of a tiny batch."""
+    trees = batch_trees(2, 6, 1)
+    model = latency()
+    plan = plan_batch(trees, [32, 32], model, COSTS, AdaptivePolicy())
+    best = max(
+        (batch_objective(trees, [a, b], [32, 32], model), a)
+        for a, b in itertools.product(range(1, 7), repeat=2)
+        if a == b
+    )
+    assert plan.node_counts == (best[1], best[1])
