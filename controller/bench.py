@@ -1,4 +1,6 @@
-"""Planner overhead: microseconds per tree for `build_tree` (heap) and `build_trees` (beam), per device.
+"""Planner overhead: microseconds per plan for the heap (`build_tree`), the beam (`build_trees`) and the
+adaptive budget choice on an uncalibrated Qwen3-8B / H100 roofline (`adaptive_choose`: the first drop of
+Ŝ over one tree; `plan_batch`: one common width for the batch), per device.
 
     python -m bastion_sglang.controller.bench [--out controller_bench.json] [--repeats 20] [--device cpu|cuda]
 
@@ -20,10 +22,25 @@ import torch
 from pydantic import BaseModel
 
 from bastion_sglang.controller.batched import build_trees
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.policies import AdaptivePolicy, plan_batch
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import ModelShape, RooflineModel, lookup_gpu
 from bastion_sglang.controller.tree import build_tree
 
 BUDGETS = (64, 128, 256, 512, 1024)
 DEPTHS = 15
+QWEN3_8B = ModelShape(
+    num_layers=36,
+    hidden_size=4096,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_size=12288,
+    vocab_size=151936,
+)
+COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
+CONTEXT = 1024
 
 
 class BenchRow(BaseModel):
@@ -69,6 +86,8 @@ def _draft(batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, 
 
 def run(device: torch.device, repeats: int) -> BenchReport:
     rows: list[BenchRow] = []
+    latency = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    policy = AdaptivePolicy()
     for budget in BUDGETS:
         width = min(budget, 64)
         cases: list[tuple[str, int, Callable[[], object]]] = []
@@ -79,6 +98,16 @@ def run(device: torch.device, repeats: int) -> BenchReport:
         for batch in (1, 32):
             lp_b, ids_b = _draft(batch, width, device)
             cases.append(("build_trees", batch, lambda lp=lp_b, ids=ids_b, b=budget: build_trees(lp, ids, b)))
+        scores = build_tree(logprobs[0], token_ids[0], budget).log_scores
+        cases.append(("adaptive_choose", 1, lambda sc=scores: policy.choose(sc, CONTEXT, latency, COSTS)))
+        trees = build_trees(*_draft(32, width, device), budget)
+        cases.append(
+            (
+                "plan_batch",
+                32,
+                lambda t=trees: plan_batch(t, [CONTEXT] * 32, latency, COSTS, policy, common_width=True),
+            )
+        )
         for name, batch, fn in cases:
             samples = sorted(_timed(fn, device, repeats))
             rows.append(
@@ -116,11 +145,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--device cuda: no CUDA device is available")
     report = run(torch.device(args.device), args.repeats)
     print(
-        f"{'builder':<12} {'device':<6} {'batch':>5} {'budget':>6} {'K':>3} {'median µs':>10} {'p90 µs':>10}"
+        f"{'builder':<16} {'device':<6} {'batch':>5} {'budget':>6} {'K':>3} {'median µs':>10} {'p90 µs':>10}"
     )
     for row in report.rows:
         print(
-            f"{row.builder:<12} {row.device:<6} {row.batch:>5} {row.budget:>6} {row.candidates:>3} "
+            f"{row.builder:<16} {row.device:<6} {row.batch:>5} {row.budget:>6} {row.candidates:>3} "
             f"{row.median_us:>10.1f} {row.p90_us:>10.1f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
