@@ -1,0 +1,222 @@
+"""Device ops of one speculative step: top-k, verify layout, tree mask, accept walks, KV compaction.
+
+Every public function validates its arguments (shapes, ranks, dtypes, devices; never values, which
+would sync with the host) and raises ValueError naming the bad one. Ops with a Triton version run it
+when their inputs are CUDA tensors and `triton` is installed, and the torch reference in
+`reference.py` otherwise; the choice is made once per call from the device. Triton is imported only
+on that path, so importing this package never needs a GPU driver.
+
+Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
+`build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify ->
+`accept_greedy` / `accept_sampling` -> `accepted_kv_moves` -> `apply_kv_moves`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from bastion_sglang.kernels import checks, reference
+from bastion_sglang.kernels.types import (
+    NO_MOVE,
+    NO_NODE,
+    AcceptResult,
+    DraftTopK,
+    DraftTreeRows,
+    KvMoves,
+    TreeBatch,
+    VerifyLayout,
+)
+
+__all__ = [
+    "NO_MOVE",
+    "NO_NODE",
+    "AcceptResult",
+    "DraftTopK",
+    "DraftTreeRows",
+    "KvMoves",
+    "TreeBatch",
+    "VerifyLayout",
+    "accept_greedy",
+    "accept_sampling",
+    "accept_walk",
+    "accepted_kv_moves",
+    "apply_kv_moves",
+    "build_verify_layout",
+    "flat_custom_mask",
+    "flatten_trees",
+    "sample_tokens",
+    "topk_logprobs",
+    "tree_attention",
+    "uses_triton",
+]
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """Whether ops with a Triton version run it on `tensor`'s device (a CUDA device, triton installed)."""
+    return tensor.is_cuda and _triton_installed()
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> DraftTopK:
+    """Top-k log-probabilities of the drafter per position (log_softmax in float32, then torch.topk).
+
+    logits: [B, D, V] floating. k: 1..V. Returns DraftTopK: logprobs [B, D, k] float32, each row sorted
+    descending; token_ids [B, D, k] int64.
+    """
+    checks.check_topk_logprobs(logits, k)
+    return reference.topk_logprobs(logits, k)
+
+
+def flatten_trees(trees: DraftTreeRows, bonus_tokens: torch.Tensor, width: int) -> TreeBatch:
+    """Verify rows of width W: position 0 = the bonus token (root), positions 1..W-1 = draft nodes 0..W-2.
+
+    trees: the controller's DraftTreeBatch (reads tokens / parents / depths, each [B, N] int64, parents
+    -1 = root, best-first so any prefix is a tree). bonus_tokens: [B] int64. width: W, 1 <= W <= N + 1.
+    Returns TreeBatch: tokens [B, W] (column 0 = bonus), parents [B, W] (column 0 = NO_NODE, node parent
+    p -> position p + 1), depths [B, W] (0 for the root).
+    """
+    checks.check_flatten_trees(trees, bonus_tokens, width)
+    return reference.flatten_trees(trees, bonus_tokens, width)
+
+
+def build_verify_layout(trees: TreeBatch, ctx_lens: torch.Tensor) -> VerifyLayout:
+    """Positions, ancestor mask and child/sibling pointers of the verify rows.
+
+    trees: TreeBatch [B, W]. ctx_lens: [B] int64, tokens already cached per request.
+    Returns VerifyLayout: positions [B, W] int64 = ctx_len + depth; ancestor_mask [B, W, W] bool, row j
+    True at j and at every ancestor of j (root included); first_child, next_sibling [B, W] int64 in
+    increasing position order, NO_NODE where none. No host sync.
+    """
+    checks.check_build_verify_layout(trees, ctx_lens)
+    if uses_triton(ctx_lens):
+        from bastion_sglang.kernels import triton_tree
+
+        return triton_tree.build_verify_layout(trees, ctx_lens)
+    return reference.build_verify_layout(trees, ctx_lens)
+
+
+def flat_custom_mask(
+    ancestor_mask: torch.Tensor, seq_lens: torch.Tensor, *, seq_lens_sum: int | None = None
+) -> torch.Tensor:
+    """The `custom_mask` of SGLang's triton attention backend for a TARGET_VERIFY pass.
+
+    ancestor_mask: [B, W, W] bool (VerifyLayout.ancestor_mask). seq_lens: [B] int64, cached prefix
+    length L_b per request. seq_lens_sum: Σ L_b when the caller holds it on the host (SGLang's
+    ForwardBatch.seq_lens_sum); it must equal seq_lens.sum() (not checked). Without it the output size
+    is read from the device (one host sync).
+    Returns [Σ_b W·(L_b + W)] bool: per request a row-major [W, L_b + W] block (prefix columns True,
+    then the ancestor block), blocks in batch order.
+    """
+    checks.check_flat_custom_mask(ancestor_mask, seq_lens, seq_lens_sum)
+    if uses_triton(ancestor_mask):
+        from bastion_sglang.kernels import triton_tree
+
+        return triton_tree.flat_custom_mask(ancestor_mask, seq_lens, seq_lens_sum=seq_lens_sum)
+    return reference.flat_custom_mask(ancestor_mask, seq_lens, seq_lens_sum=seq_lens_sum)
+
+
+def _accept_walk_unchecked(trees: TreeBatch, target_tokens: torch.Tensor) -> AcceptResult:
+    if uses_triton(target_tokens):
+        from bastion_sglang.kernels import triton_accept
+
+        return triton_accept.accept_walk(trees, target_tokens)
+    return reference.accept_walk(trees, target_tokens)
+
+
+def accept_walk(trees: TreeBatch, target_tokens: torch.Tensor) -> AcceptResult:
+    """Accept walk over the verify rows.
+
+    trees: TreeBatch [B, W] (sibling tokens distinct). target_tokens: [B, W] int64, the token the target
+    emits after each position. Start at the root; while the current node has a child whose token equals
+    target_tokens[b, current], move to it. Returns AcceptResult: accept_index [B, W] (accepted positions,
+    root first, NO_NODE padded), accept_length [B] (accepted draft nodes), bonus_tokens [B] (the target
+    token at the last accepted node). The step emits the accepted draft tokens, then the bonus. No host sync.
+    """
+    checks.check_accept_walk(trees, target_tokens)
+    return _accept_walk_unchecked(trees, target_tokens)
+
+
+def accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> AcceptResult:
+    """Greedy (T = 0) acceptance: `accept_walk` with target_tokens = argmax of target_logits.
+
+    trees: TreeBatch [B, W]. target_logits: [B, W, V] floating (ties go to the smallest token id).
+    """
+    checks.check_accept_greedy(trees, target_logits)
+    return _accept_walk_unchecked(trees, torch.argmax(target_logits, dim=-1))
+
+
+def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the smallest token whose cumulative probability exceeds u·total.
+
+    probs: [M, V] non-negative weights (rows need not be normalised but need positive mass).
+    uniforms: [M] in [0, 1). Returns [M] int64. A token of zero probability is never returned. A pure
+    function of its inputs, row by row: seeded uniforms reproduce a run and a batch samples exactly as
+    its rows would one at a time.
+    """
+    checks.check_sample_tokens(probs, uniforms)
+    return reference.sample_tokens(probs, uniforms)
+
+
+def accept_sampling(trees: TreeBatch, target_probs: torch.Tensor, uniforms: torch.Tensor) -> AcceptResult:
+    """Lossless acceptance at any temperature: sample the target at every position, then `accept_walk`.
+
+    trees: TreeBatch [B, W]. target_probs: [B, W, V], the target's processed distribution (temperature,
+    top-p/top-k/min-p applied) after each position. uniforms: [B, W] in [0, 1), one per position.
+    Every emitted token is the target's own sample after the tokens emitted before it in the step, so
+    the output is distributed exactly as the target's.
+    """
+    checks.check_accept_sampling(trees, target_probs, uniforms)
+    batch, width, vocab = target_probs.shape
+    samples = reference.sample_tokens(target_probs.reshape(batch * width, vocab), uniforms.reshape(-1))
+    return _accept_walk_unchecked(trees, samples.view(batch, width))
+
+
+def accepted_kv_moves(
+    accept_index: torch.Tensor, accept_length: torch.Tensor, tree_base: torch.Tensor
+) -> KvMoves:
+    """Cache row copies that move each request's accepted path to the front of its tree block.
+
+    accept_index: [B, W] int64 and accept_length: [B] int64 from the accept walk. tree_base: [B] int64,
+    the cache row of position 0 of each verify row (rows tree_base[b] .. + W - 1; blocks must not
+    overlap). Returns KvMoves: src, dst [B, W] (tree_base + accept_index[b, k] -> tree_base + k for
+    k <= accept_length[b], NO_MOVE where nothing moves), keep [B] = accept_length + 1. No host sync.
+    """
+    checks.check_accepted_kv_moves(accept_index, accept_length, tree_base)
+    if uses_triton(accept_index):
+        from bastion_sglang.kernels import triton_kv
+
+        return triton_kv.accepted_kv_moves(accept_index, accept_length, tree_base)
+    return reference.accepted_kv_moves(accept_index, accept_length, tree_base)
+
+
+def apply_kv_moves(cache: torch.Tensor, moves: KvMoves) -> None:
+    """Copy the moved rows of `cache` in place (all sources read before any destination is written).
+
+    cache: [S, ...] contiguous, any dtype. moves: KvMoves from `accepted_kv_moves`.
+    """
+    checks.check_apply_kv_moves(cache, moves)
+    if uses_triton(cache):
+        from bastion_sglang.kernels import triton_kv
+
+        triton_kv.apply_kv_moves(cache, moves)
+        return
+    reference.apply_kv_moves(cache, moves)
+
+
+def tree_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked attention with grouped-query heads, for verify passes on the CPU.
+
+    q: [T, Hq, Dh]; k, v: [S, Hkv, Dh], Hq a multiple of Hkv; mask: [T, S] bool, True = may attend
+    (each row needs one True); scale: factor on q·k. Returns [T, Hq, Dh] in q's dtype.
+    """
+    checks.check_tree_attention(q, k, v, mask, scale)
+    return reference.tree_attention(q, k, v, mask, scale)
