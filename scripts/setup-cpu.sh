@@ -9,6 +9,10 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet --no-deps sglang==0.5.23
 python -m pip install --quiet -r requirements/sglang-cpu.txt
+python -m pip install --quiet --no-deps torchvision==0.28.0
 python -m pip install --quiet -e ".[reference,plot,test]"
+# PyPI torchvision cannot load beside CPU torch without two op schemas defined first (see the module).
+site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python -c 'from bastion_sglang.torchvision_cpu import PTH_LINE; print(PTH_LINE, end="")' > "$site/bastion_sglang_cpu.pth"
 python -m pip check >/dev/null || python -m pip check | grep -v -E "^sglang " || true
 echo "ready: $(python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)')"

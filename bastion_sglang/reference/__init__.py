@@ -1,0 +1,30 @@
+"""A lean Transformers engine running BASTION with the same planner and kernels as the SGLang worker.
+
+It is the test oracle of the worker and the way to measure the algorithm on a GPU without SGLang:
+`ReferenceEngine(target, drafter, device=..., dtype=..., hardware=...)`, then `generate(...)`.
+"""
+
+from bastion_sglang.reference.drafter import DFlashDrafter, DraftContextCache
+from bastion_sglang.reference.engine import ReferenceEngine
+from bastion_sglang.reference.proposer import DFlashProposer, DraftInput, DraftProposer
+from bastion_sglang.reference.sampling import SamplingParams
+from bastion_sglang.reference.stats import GenerationResult, StageSeconds, StageTimer, StepStats
+from bastion_sglang.reference.target import SlotCache, TargetModel, TargetOutput, load_causal_lm
+
+__all__ = [
+    "DFlashDrafter",
+    "DFlashProposer",
+    "DraftContextCache",
+    "DraftInput",
+    "DraftProposer",
+    "GenerationResult",
+    "ReferenceEngine",
+    "SamplingParams",
+    "SlotCache",
+    "StageSeconds",
+    "StageTimer",
+    "StepStats",
+    "TargetModel",
+    "TargetOutput",
+    "load_causal_lm",
+]

@@ -1,0 +1,408 @@
+"""The reference engine: BASTION decoding (batch 1) on a Transformers target, shared planner and kernels.
+
+One speculative step (DESIGN.md, "One decode step"), with ctx = tokens in the target's cache and the bonus
+token at position ctx:
+
+1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
+2. plan: `build_trees` (best-first, up to the budget), the policy picks n, `flatten_trees` and
+   `build_verify_layout` give the W = n + 1 verify rows;
+3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask;
+4. accept: greedy walk at temperature 0, else the sampling walk on the target's processed distribution;
+   the accepted rows move to the front of the tree block and the cache is cut to ctx + accepted + 1;
+   the accepted tokens and the bonus are emitted; the accepted positions' target features go to the
+   drafter next step; the measured verify time updates the latency model's EMA.
+
+Sampling coupling. At temperature > 0 the uniform used for a node is the one of the output index it
+predicts (`uniforms[emitted + depth]`, drawn once per request from the seeded generator), the same
+uniform plain decoding uses for that index. Each emitted token is the inverse-CDF sample of the target's
+distribution after the tokens before it, with a uniform independent of them, so the output is distributed
+exactly as the target's; and for one seed it is the same token sequence whatever the tree, the policy or
+the timing-driven budget choices (up to floating-point differences between the passes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from bastion_sglang.controller import (
+    BudgetPolicy,
+    ChainPolicy,
+    FixedPolicy,
+    build_trees,
+    expected_accept_length,
+    parse_policy,
+)
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+from bastion_sglang.drafter_config import check_drafter_fits
+from bastion_sglang.kernels import (
+    accept_greedy,
+    accept_sampling,
+    accepted_kv_moves,
+    build_verify_layout,
+    flatten_trees,
+    sample_tokens,
+)
+from bastion_sglang.reference.drafter import DFlashDrafter
+from bastion_sglang.reference.proposer import DFlashProposer, DraftInput, DraftProposer
+from bastion_sglang.reference.sampling import SamplingParams
+from bastion_sglang.reference.stats import GenerationResult, StageTimer, StepStats
+from bastion_sglang.reference.target import SlotCache, TargetModel, load_causal_lm
+
+MAX_TOPK = 64
+"""Largest K (candidates per draft position) the engine asks the proposer for."""
+COST_EMA_ALPHA = 0.1
+"""Weight of the newest step in the online estimates of T_draft and T_aux (when no StepCosts are given)."""
+
+
+@dataclass
+class _CostTracker:
+    """Online T_draft and T_aux (plan + accept) in seconds: EMAs of the measured stages, 0 before any step."""
+
+    t_draft: float = 0.0
+    t_aux: float = 0.0
+    steps: int = 0
+
+    def observe(self, draft: float, aux: float) -> None:
+        weight = 1.0 if self.steps == 0 else COST_EMA_ALPHA
+        self.t_draft += weight * (draft - self.t_draft)
+        self.t_aux += weight * (aux - self.t_aux)
+        self.steps += 1
+
+
+@dataclass
+class DecodeState:
+    """Mutable state of one request while it decodes (made by `ReferenceEngine.start`)."""
+
+    tokens: torch.Tensor  # [capacity] int64 on the device: prompt + emitted tokens; valid up to `length`
+    length: int  # committed tokens; the last one is the bonus token (not yet in the target's cache)
+    prompt_len: int
+    max_new_tokens: int
+    eos: frozenset[int]
+    sampling: SamplingParams
+    policy: BudgetPolicy | None  # None: plain decoding
+    budget: int  # nodes of the tree built each step (0 for plain decoding)
+    topk: int  # K candidates per draft position (0 for plain decoding)
+    cache: SlotCache  # the target's KV cache: rows 0..length-2 after every step
+    uniforms: torch.Tensor | None  # [max_new_tokens + D + 1] float32: one uniform per output index
+    new_features: torch.Tensor | None = None  # [n, F·h] features of cache positions not yet drafted from
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+    prefill_seconds: float = 0.0
+
+    @property
+    def ctx_len(self) -> int:
+        """Tokens in the target's KV cache: the bonus token's position."""
+        return self.length - 1
+
+    def commit(self, new_tokens: torch.Tensor, host_tokens: list[int]) -> int:
+        """Append new_tokens [m] (same values as host_tokens) up to the stops; returns how many were kept."""
+        keep = host_tokens[: self.max_new_tokens - len(self.output)]
+        for index, token in enumerate(keep):
+            if token in self.eos:
+                keep = keep[: index + 1]
+                self.finished = True
+                break
+        self.tokens[self.length : self.length + len(keep)] = new_tokens[: len(keep)]
+        self.length += len(keep)
+        self.output.extend(keep)
+        if len(self.output) >= self.max_new_tokens:
+            self.finished = True
+        return len(keep)
+
+
+class ReferenceEngine:
+    """BASTION decoding of one request at a time with a Hugging Face target.
+
+    target: a causal-LM folder or a loaded `PreTrainedModel` (moved to device/dtype).
+    drafter: a DFlash checkpoint folder, a `DFlashDrafter`, any `DraftProposer`, or None (plain decoding
+        only). A DFlash drafter is checked against the target (`check_drafter_fits`).
+    hardware / latency: the verify-latency model the policies plan with: a given `LatencyModel` (e.g.
+        from a calibration profile), else an uncalibrated roofline of the target on `hardware` (required
+        then: there is no default GPU), with `width_buckets` if given. Its EMA is updated every step.
+    step_costs: T_draft, T_aux and L_AR for the policies; None: T_draft and T_aux are EMAs of this engine's
+        measured stages and L_AR is the latency model's prediction for one token at the current context.
+    max_nodes: N_max, the tree budget of the adaptive policies. eos_token_ids: None reads the target's
+        generation config.
+    """
+
+    def __init__(
+        self,
+        target: str | Path | PreTrainedModel,
+        drafter: str | Path | DFlashDrafter | DraftProposer | None = None,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        hardware: HardwareSpec | None = None,
+        latency: LatencyModel | None = None,
+        width_buckets: Sequence[int] | None = None,
+        step_costs: StepCosts | None = None,
+        max_nodes: int = 1024,
+        attn_implementation: str = "sdpa",
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if isinstance(target, PreTrainedModel):
+            model = target.to(device=self.device, dtype=dtype).eval()
+        else:
+            model = load_causal_lm(
+                target, device=self.device, dtype=dtype, attn_implementation=attn_implementation
+            )
+        config = model.config.to_dict()
+        self.proposer = self._make_proposer(drafter, model, dtype, config)
+        self.target = TargetModel(model, self.proposer.feature_layers if self.proposer is not None else ())
+        self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
+        self.step_costs = step_costs
+        self._costs = _CostTracker()
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
+        self.max_nodes = max_nodes
+        self.vocab_size = int(model.config.vocab_size)
+        if eos_token_ids is None:
+            configured = model.generation_config.eos_token_id if model.generation_config else None
+            eos_token_ids = (
+                [] if configured is None else [configured] if isinstance(configured, int) else configured
+            )
+        self.eos = frozenset(int(token) for token in eos_token_ids)
+
+    def _make_proposer(
+        self,
+        drafter: str | Path | DFlashDrafter | DraftProposer | None,
+        model: PreTrainedModel,
+        dtype: torch.dtype,
+        config: dict[str, Any],
+    ) -> DraftProposer | None:
+        if drafter is None:
+            return None
+        if isinstance(drafter, str | Path):
+            drafter = DFlashDrafter.from_pretrained(
+                drafter, device=self.device, dtype=dtype, target_num_layers=int(config["num_hidden_layers"])
+            )
+        if isinstance(drafter, DFlashDrafter):
+            check_drafter_fits(drafter.config, config)
+            return DFlashProposer(
+                drafter.to(device=self.device, dtype=dtype).eval(),
+                model.get_input_embeddings(),
+                model.get_output_embeddings(),
+            )
+        return drafter
+
+    @staticmethod
+    def _make_latency(
+        latency: LatencyModel | None,
+        hardware: HardwareSpec | None,
+        width_buckets: Sequence[int] | None,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+    ) -> LatencyModel:
+        if latency is not None:
+            if hardware is not None or width_buckets is not None:
+                raise ValueError("pass either latency= or hardware= (with width_buckets=), not both")
+            return latency
+        if hardware is None:
+            raise ValueError(
+                "no latency model: pass latency= (e.g. from a calibration profile) or hardware= "
+                "(a HardwareSpec for the uncalibrated roofline; there is no default GPU)"
+            )
+        shape = ModelShape.from_hf_config(config)
+        roofline = RooflineModel(shape, hardware, bytes_per_element=torch.finfo(dtype).bits // 8)
+        return LatencyModel(roofline, width_buckets=width_buckets)
+
+    def resolve_policy(self, policy: str | BudgetPolicy | None) -> BudgetPolicy | None:
+        """A BudgetPolicy from its spelling (adaptive, bucketed, fixed:N, chain, ar); None: plain decoding."""
+        resolved = parse_policy(policy, self.latency.width_buckets) if isinstance(policy, str) else policy
+        if resolved is not None and self.proposer is None:
+            raise ValueError(f"policy {policy!r} drafts, but the engine has no drafter; use 'ar' or add one")
+        return resolved
+
+    def tree_budget(self, policy: BudgetPolicy) -> tuple[int, int]:
+        """(nodes to build, K candidates per depth) for `policy` with this proposer and latency model."""
+        if self.proposer is None:
+            raise ValueError("tree budgets need a drafter")
+        if isinstance(policy, ChainPolicy):
+            budget = self.proposer.depth
+        elif isinstance(policy, FixedPolicy):
+            budget = policy.nodes
+        else:
+            budget = self.max_nodes
+        buckets = self.latency.width_buckets
+        if buckets is not None and budget + 1 > buckets[-1]:
+            if isinstance(policy, FixedPolicy | ChainPolicy):
+                raise ValueError(
+                    f"policy {policy!r} verifies up to {budget + 1} tokens, beyond the largest width "
+                    f"bucket {buckets[-1]} of the latency model"
+                )
+            budget = buckets[-1] - 1
+        cap = policy.topk_cap if policy.topk_cap is not None else MAX_TOPK
+        return budget, min(cap, MAX_TOPK, budget, self.vocab_size)
+
+    def _costs_now(self, ctx_len: int) -> StepCosts:
+        if self.step_costs is not None:
+            return self.step_costs
+        return StepCosts(
+            t_draft=self._costs.t_draft, t_aux=self._costs.t_aux, l_ar=self.latency.predict(1, ctx_len)
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        policy: str | BudgetPolicy | None = "adaptive",
+    ) -> GenerationResult:
+        """Decode up to max_new_tokens tokens after `prompt_ids`; stop after an EOS token (kept).
+
+        temperature 0 is greedy; otherwise the target's distribution after temperature, top_p, top_k and
+        min_p, sampled with a generator seeded by `seed` (None: a fresh seed). policy: adaptive,
+        bucketed, fixed:N, chain, ar (plain decoding), or a BudgetPolicy.
+        """
+        state = self.start(prompt_ids, max_new_tokens, temperature, top_p, top_k, min_p, seed, policy)
+        steps = []
+        while not state.finished:
+            steps.append(self.step(state))
+        return GenerationResult(tokens=state.output, steps=steps, prefill_seconds=state.prefill_seconds)
+
+    @torch.no_grad()
+    def start(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        policy: str | BudgetPolicy | None = "adaptive",
+    ) -> DecodeState:
+        """Prefill the prompt and emit the first token; `step` then decodes the rest (see `generate`)."""
+        sampling = SamplingParams(temperature, top_p, top_k, min_p)
+        budget_policy = self.resolve_policy(policy)
+        if not prompt_ids or any(not 0 <= token < self.vocab_size for token in prompt_ids):
+            raise ValueError(
+                f"prompt_ids must be non-empty token ids in [0, {self.vocab_size}), got {prompt_ids!r}"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        budget, topk = self.tree_budget(budget_policy) if budget_policy is not None else (0, 0)
+        depth = self.proposer.depth if self.proposer is not None else 0
+        prompt_len = len(prompt_ids)
+        tokens = torch.zeros(prompt_len + max_new_tokens + 1, dtype=torch.int64, device=self.device)
+        tokens[:prompt_len] = torch.tensor(prompt_ids, dtype=torch.int64)
+        uniforms = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed if seed is not None else int(torch.seed()))
+            uniforms = torch.rand(max_new_tokens + depth + 1, generator=generator, device=self.device)
+        state = DecodeState(
+            tokens=tokens,
+            length=prompt_len,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            eos=self.eos,
+            sampling=sampling,
+            policy=budget_policy,
+            budget=budget,
+            topk=topk,
+            cache=self.target.new_cache(prompt_len + max_new_tokens + budget + 1),
+            uniforms=uniforms,
+        )
+        if budget_policy is not None and self.proposer is not None:
+            self.proposer.start(prompt_len + max_new_tokens + 1)
+        timer = StageTimer(self.device)
+        prefill = self.target.prefill(state.cache, tokens[:prompt_len])
+        first = self._pick(prefill.logits[-1:], state, 0)
+        state.commit(first, first.tolist())  # host sync: the first token decides whether to stop
+        state.new_features = prefill.features
+        state.prefill_seconds = timer.finish().total
+        return state
+
+    @torch.no_grad()
+    def step(self, state: DecodeState) -> StepStats:
+        """One decoding step of an unfinished request: a plain one, or draft-plan-verify-accept."""
+        if state.finished:
+            raise ValueError("the request has finished; start a new one")
+        if state.policy is None:
+            return self._plain_step(state)
+        return self._speculative_step(state, state.policy)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, state: DecodeState, index: int) -> torch.Tensor:
+        """The target's token after logits [1, V] for output index `index`: argmax, or a sample. -> [1]."""
+        if state.uniforms is None:
+            return torch.argmax(logits, dim=-1)
+        return sample_tokens(state.sampling.probs(logits), state.uniforms[index : index + 1])
+
+    def _plain_step(self, state: DecodeState) -> StepStats:
+        """One token of plain autoregressive decoding."""
+        ctx = state.ctx_len
+        predicted = self.latency.predict(1, ctx)
+        timer = StageTimer(self.device)
+        with timer.stage("verify"):
+            out = self.target.forward(
+                state.cache,
+                state.tokens[ctx : ctx + 1],
+                torch.tensor([ctx], device=self.device),
+                torch.ones((1, 1), dtype=torch.bool, device=self.device),
+            )
+        with timer.stage("accept"):
+            token = self._pick(out.logits, state, len(state.output))
+            emitted = state.commit(token, token.tolist())  # host sync: the token decides whether to stop
+        seconds = timer.finish()
+        self.latency.observe(1, ctx, seconds.verify)
+        return StepStats(ctx, 0, 1, 1.0, 0, emitted, predicted, seconds)
+
+    def _speculative_step(self, state: DecodeState, policy: BudgetPolicy) -> StepStats:
+        """Draft, plan, verify and accept one tree (module docstring)."""
+        if self.proposer is None:
+            raise ValueError("a speculative step needs a drafter")
+        ctx = state.ctx_len
+        ctx_tensor = torch.tensor([ctx], device=self.device)
+        timer = StageTimer(self.device)
+        with timer.stage("draft"):
+            draft_input = DraftInput(state.tokens[: state.length], state.new_features)
+            proposal = self.proposer.propose(draft_input, state.topk)
+        with timer.stage("plan"):
+            trees = build_trees(proposal.logprobs, proposal.token_ids, state.budget)
+            nodes = policy.choose(trees.log_scores[0], ctx, self.latency, self._costs_now(ctx))
+            expected = expected_accept_length(trees.row(0), nodes)  # host sync: Â for the statistics
+            rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], nodes + 1)
+            layout = build_verify_layout(rows, ctx_tensor)
+        with timer.stage("verify"):
+            out = self.target.forward(
+                state.cache, rows.tokens[0], layout.positions[0], layout.ancestor_mask[0]
+            )
+        with timer.stage("accept"):
+            if state.uniforms is None:
+                result = accept_greedy(rows, out.logits[None])
+            else:
+                probs = state.sampling.probs(out.logits)
+                uniforms = state.uniforms[len(state.output) + rows.depths]  # [1, W]: by output index
+                result = accept_sampling(rows, probs[None], uniforms)
+            state.cache.move_rows(accepted_kv_moves(result.accept_index, result.accept_length, ctx_tensor))
+            path = result.accept_index[0].clamp(min=0)
+            step_tokens = torch.cat([rows.tokens[0, path[1:]], result.bonus_tokens])  # [W]: path, then bonus
+            host = torch.cat([result.accept_length, step_tokens]).tolist()  # host sync: the step's tokens
+            accepted = host[0]
+            state.cache.truncate(ctx + accepted + 1)
+            new_tokens = torch.cat([step_tokens[:accepted], result.bonus_tokens])
+            emitted = state.commit(new_tokens, [*host[1 : 1 + accepted], host[-1]])
+            if out.features is not None:
+                state.new_features = out.features[result.accept_index[0, : accepted + 1]]
+        seconds = timer.finish()
+        width = nodes + 1
+        predicted = self.latency.predict(width, ctx)
+        self.latency.observe(width, ctx, seconds.verify)
+        self._costs.observe(seconds.draft, seconds.plan + seconds.accept)
+        return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds)

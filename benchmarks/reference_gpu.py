@@ -1,0 +1,542 @@
+"""GPU evidence from the reference engine: verify latency and its calibrated fit, planner overhead per step,
+and end-to-end speed of the budget policies on a trained target/drafter pair.
+
+    python benchmarks/reference_gpu.py --out results/                      # (a) on a random Qwen3-8B shape
+    python benchmarks/reference_gpu.py --out results/ --target T --draft D [--prompts prompts.txt]   # (a)+(b)
+    python benchmarks/reference_gpu.py --out /tmp/smoke --device cpu --smoke   # tiny shapes, end to end
+
+(a) latency.json: the target's verify pass (the engine's own forward: explicit tree mask, positions, the
+    drafter's feature layers collected) timed with CUDA events, median of --repeats, over s (tokens
+    verified) in 1, 2, 4, .., 1024 and c (cached tokens) in 64, 128, .., 8192; the bare roofline and the
+    calibrated fit (`fit_latency`), RMSE/MAPE in sample and on held-out points (fit on every other point).
+    Without --target the model is Qwen3-8B-shaped with random bf16 weights made on the device (no download).
+    planner.json: microseconds per step of the planner as the engine runs it (top-k of the drafter logits,
+    `build_tree` heap or `build_trees` beam, then the adaptive choice with the fitted latency model) at
+    budgets 64..1024, next to the verify milliseconds of a pass of that width.
+(b) pair.json (with --target/--draft): tokens/s, τ (mean accepted length, bonus included) and speedup over
+    plain decoding for ar, chain, fixed:64, fixed:256 and adaptive on the same prompts in one run, greedy,
+    planning with the latency model fitted in (a) on this very target (its EMA running).
+
+The hardware peaks of the roofline come from the CUDA device name (`lookup_gpu`) unless --peak-flops and
+--bandwidth are given; the CPU smoke run uses nominal peaks, named as such in its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import transformers
+from pydantic import BaseModel, ConfigDict
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
+
+from bastion_sglang.controller import AdaptivePolicy, build_tree, build_trees
+from bastion_sglang.controller.latency import (
+    FitReport,
+    LatencyFit,
+    LatencyModel,
+    LatencySample,
+    evaluate_fit,
+    fit_latency,
+)
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
+from bastion_sglang.kernels import topk_logprobs
+from bastion_sglang.reference import (
+    DFlashDrafter,
+    GenerationResult,
+    ReferenceEngine,
+    StageTimer,
+    TargetModel,
+    load_causal_lm,
+)
+
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False,
+)
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+FULL_WIDTHS = tuple(2**i for i in range(11))  # 1 .. 1024
+FULL_CONTEXTS = tuple(64 * 2**i for i in range(8))  # 64 .. 8192
+FULL_BUDGETS = (64, 128, 256, 512, 1024)
+PAIR_POLICIES = ("ar", "chain", "fixed:64", "fixed:256", "adaptive")
+PLANNER_CONTEXT = 1024
+PLANNER_DEPTH = 15  # D of a block of 16
+NOMINAL_CPU = HardwareSpec(name="nominal-cpu (smoke)", peak_flops=1e11, bandwidth=2e10)
+DEFAULT_PROMPTS = (
+    "Solve step by step: a train covers 120 km in 1.5 hours, then 80 km in 1 hour. Find its average speed.",
+    "Write a Python function that returns the n-th Fibonacci number using memoization.",
+    "Explain the difference between a process and a thread in an operating system.",
+    "Prove that the square root of 2 is irrational.",
+    "Write a haiku about the sea, then explain its imagery.",
+    "Implement binary search in C and explain its complexity.",
+    "What are the main causes of the French Revolution? Answer in five bullet points.",
+    "Compute the derivative of x^3 * sin(x) and simplify.",
+)
+
+
+class Environment(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    device: str
+    device_name: str
+    torch_version: str
+    transformers_version: str
+    dtype: str
+    hardware: HardwareSpec
+
+
+class LatencyReport(BaseModel):
+    """Measured verify passes and the calibrated roofline fitted to them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    environment: Environment
+    model_source: str  # "random Qwen3-8B shape", "random tiny shape", or the target folder
+    shape: ModelShape
+    feature_layers: tuple[int, ...]
+    repeats: int
+    samples: list[LatencySample]  # median seconds per (s, c)
+    fit: LatencyFit
+    in_sample: FitReport
+    holdout_fit: LatencyFit  # fitted on every other sample
+    holdout: FitReport  # evaluated on the others
+
+
+class PlannerRow(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    budget: int
+    topk: int  # K candidates per depth
+    chosen_nodes: int  # what the adaptive policy picked on this draft
+    topk_us: float  # log-softmax + top-k of the [1, D, V] drafter logits
+    heap_plan_us: float  # build_tree (host heap) + adaptive choice
+    beam_plan_us: float  # build_trees (device beam) + adaptive choice
+    verify_ms_fitted: float  # calibrated prediction for a pass of budget + 1 tokens at PLANNER_CONTEXT
+    verify_ms_measured: float  # the measured median at the nearest measured width, PLANNER_CONTEXT-ish
+    beam_plan_share: float  # beam_plan_us / (verify_ms_fitted · 1000)
+
+
+class PlannerReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    environment: Environment
+    depth: int
+    context: int
+    repeats: int
+    rows: list[PlannerRow]
+
+
+class PolicyRun(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    policy: str
+    new_tokens: int
+    steps: int
+    prefill_seconds: float
+    decode_seconds: float  # sum of step wall times (prefill excluded)
+    wall_seconds: float  # the generate calls end to end
+    tokens_per_second: float  # new_tokens / wall_seconds
+    tau: float  # mean accepted length per verify pass, bonus included
+    mean_nodes: float
+    mean_verify_ms: float
+    verify_prediction_mape: float  # mean |predicted - observed| / observed verify time over the steps
+    speedup_vs_ar: float  # ar's wall_seconds / this wall_seconds, per token
+    same_output_as_ar: float  # fraction of prompts whose tokens equal ar's
+
+
+class PairReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    environment: Environment
+    target: str
+    draft: str
+    prompts: int
+    max_new_tokens: int
+    runs: list[PolicyRun]
+    final_ema_factor: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: timing boundary
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of run() (device work included)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_target(shape: dict, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """A Qwen3 causal LM with random weights, initialised directly on the device."""
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            Qwen3Config(**shape), dtype=dtype, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def measure_verify(
+    target: TargetModel, widths: Sequence[int], contexts: Sequence[int], repeats: int
+) -> list[LatencySample]:
+    """Median verify seconds per (s, c): one prefill of max(c) random tokens, then for every c (descending)
+    the cache is cut to c and each width runs a causal block of s tokens, CUDA-event timed, cut back."""
+    device = target.device
+    vocab = int(target.model.config.vocab_size)
+    cache = target.new_cache(max(contexts) + max(widths))
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(0, vocab, (max(contexts),), generator=generator, device=device)
+    target.prefill(cache, prompt)
+    samples = []
+    for c in sorted(contexts, reverse=True):
+        cache.truncate(c)
+        for s in widths:
+            tokens = torch.randint(0, vocab, (s,), generator=generator, device=device)
+            positions = torch.arange(c, c + s, device=device)
+            visible = torch.ones((s, s), dtype=torch.bool, device=device).tril()
+            times = []
+            for attempt in range(repeats + 1):
+                timer = StageTimer(device)
+                with timer.stage("verify"):
+                    target.forward(cache, tokens, positions, visible)
+                seconds = timer.finish().verify
+                cache.truncate(c)
+                if attempt:  # the first pass warms kernels for this shape
+                    times.append(seconds)
+            samples.append(LatencySample(s=s, c=c, seconds=statistics.median(times)))
+    return samples
+
+
+def run_latency(
+    target: TargetModel,
+    environment: Environment,
+    source: str,
+    widths: Sequence[int],
+    contexts: Sequence[int],
+    repeats: int,
+) -> tuple[LatencyReport, LatencyModel]:
+    config = target.model.config.to_dict()
+    shape = ModelShape.from_hf_config(config)
+    roofline = RooflineModel(
+        shape, environment.hardware, bytes_per_element=torch.finfo(target.dtype).bits // 8
+    )
+    samples = measure_verify(target, widths, contexts, repeats)
+    fit = fit_latency(roofline, samples)
+    train, held = samples[::2], samples[1::2]
+    holdout_fit = fit_latency(roofline, train)
+    report = LatencyReport(
+        environment=environment,
+        model_source=source,
+        shape=shape,
+        feature_layers=target.feature_layers,
+        repeats=repeats,
+        samples=samples,
+        fit=fit,
+        in_sample=evaluate_fit(roofline, fit, samples),
+        holdout_fit=holdout_fit,
+        holdout=evaluate_fit(roofline, holdout_fit, held),
+    )
+    return report, LatencyModel(roofline, fit)
+
+
+def run_planner(
+    latency: LatencyModel,
+    samples: Sequence[LatencySample],
+    vocab: int,
+    budgets: Sequence[int],
+    environment: Environment,
+    repeats: int,
+) -> PlannerReport:
+    """Planner cost per step on a peaked random draft distribution ([1, D, V] logits on the device)."""
+    device = torch.device(environment.device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn((1, PLANNER_DEPTH, vocab), generator=generator, device=device) * 4.0
+    policy = AdaptivePolicy()
+    costs = StepCosts(t_draft=1e-3, t_aux=5e-4, l_ar=latency.predict(1, PLANNER_CONTEXT))
+    nearest_context = min({sample.c for sample in samples}, key=lambda c: abs(c - PLANNER_CONTEXT))
+    rows = []
+    for budget in budgets:
+        k = min(64, budget, vocab)
+        draft = topk_logprobs(logits, k)
+
+        def heap_plan(draft=draft, budget=budget) -> int:
+            tree = build_tree(draft.logprobs[0], draft.token_ids[0], budget)
+            return policy.choose(tree.log_scores, PLANNER_CONTEXT, latency, costs)
+
+        def beam_plan(draft=draft, budget=budget) -> int:
+            trees = build_trees(draft.logprobs, draft.token_ids, budget)
+            return policy.choose(trees.log_scores[0], PLANNER_CONTEXT, latency, costs)
+
+        width = budget + 1
+        measured = min(
+            (sample for sample in samples if sample.c == nearest_context), key=lambda x: abs(x.s - width)
+        )
+        verify_fitted = latency.predict(width, PLANNER_CONTEXT)
+        beam_us = median_seconds(beam_plan, device, repeats) * 1e6
+        rows.append(
+            PlannerRow(
+                budget=budget,
+                topk=k,
+                chosen_nodes=beam_plan(),
+                topk_us=median_seconds(lambda k=k: topk_logprobs(logits, k), device, repeats) * 1e6,
+                heap_plan_us=median_seconds(heap_plan, device, repeats) * 1e6,
+                beam_plan_us=beam_us,
+                verify_ms_fitted=verify_fitted * 1e3,
+                verify_ms_measured=measured.seconds * 1e3,
+                beam_plan_share=beam_us / (verify_fitted * 1e6),
+            )
+        )
+    return PlannerReport(
+        environment=environment, depth=PLANNER_DEPTH, context=PLANNER_CONTEXT, repeats=repeats, rows=rows
+    )
+
+
+def load_prompts(target_path: Path, prompts_file: Path | None, count: int, vocab: int) -> list[list[int]]:
+    """Token ids of the prompts: lines of --prompts or the defaults, through the target's chat template;
+    a folder without a tokenizer (the smoke pair) gets fixed random ids."""
+    if not (target_path / "tokenizer_config.json").exists():
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab, (12,), generator=generator).tolist() for _ in range(count)]
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    texts = prompts_file.read_text().splitlines() if prompts_file is not None else list(DEFAULT_PROMPTS)
+    texts = [text for text in texts if text.strip()][:count]
+    if tokenizer.chat_template:
+        return [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+            for text in texts
+        ]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def run_pair(
+    target_path: Path,
+    draft_path: Path,
+    model: PreTrainedModel,
+    latency: LatencyModel,
+    environment: Environment,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_nodes: int,
+    policies: Sequence[str],
+) -> PairReport:
+    """Greedy generation of every prompt under every policy (the first must be "ar", the baseline)."""
+    if policies[0] != "ar":
+        raise ValueError(f"the first policy must be 'ar' (the baseline), got {policies[0]!r}")
+    device = torch.device(environment.device)
+    engine = ReferenceEngine(
+        model, draft_path, device=device, dtype=model.dtype, latency=latency, max_nodes=max_nodes
+    )
+    for policy in policies:  # warm every kernel shape class once
+        engine.generate(prompts[0], min(16, max_new_tokens), policy=policy)
+    outputs: dict[str, list[GenerationResult]] = {}
+    walls: dict[str, float] = {}
+    for policy in policies:
+        synchronize(device)
+        start = time.perf_counter()
+        outputs[policy] = [engine.generate(prompt, max_new_tokens, policy=policy) for prompt in prompts]
+        synchronize(device)
+        walls[policy] = time.perf_counter() - start
+    ar_rate = sum(len(result.tokens) for result in outputs["ar"]) / walls["ar"]
+    runs = []
+    for policy in policies:
+        results = outputs[policy]
+        steps = [step for result in results for step in result.steps]
+        tokens = sum(len(result.tokens) for result in results)
+        errors = [
+            abs(step.predicted_verify_seconds - step.seconds.verify) / step.seconds.verify for step in steps
+        ]
+        same = [a.tokens == b.tokens for a, b in zip(results, outputs["ar"], strict=True)]
+        runs.append(
+            PolicyRun(
+                policy=policy,
+                new_tokens=tokens,
+                steps=len(steps),
+                prefill_seconds=sum(result.prefill_seconds for result in results),
+                decode_seconds=sum(result.decode_seconds for result in results),
+                wall_seconds=walls[policy],
+                tokens_per_second=tokens / walls[policy],
+                tau=sum(step.accepted + 1 for step in steps) / max(len(steps), 1),
+                mean_nodes=sum(step.nodes for step in steps) / max(len(steps), 1),
+                mean_verify_ms=1e3 * sum(step.seconds.verify for step in steps) / max(len(steps), 1),
+                verify_prediction_mape=sum(errors) / max(len(errors), 1),
+                speedup_vs_ar=(tokens / walls[policy]) / ar_rate,
+                same_output_as_ar=sum(same) / len(same),
+            )
+        )
+    return PairReport(
+        environment=environment,
+        target=str(target_path),
+        draft=str(draft_path),
+        prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        runs=runs,
+        final_ema_factor=engine.latency.ema_factor,
+    )
+
+
+def smoke_pair(folder: Path, model: PreTrainedModel) -> tuple[Path, Path]:
+    """Save the tiny random target and a random DFlash drafter for it (z-lab format) under `folder`."""
+    target_path = folder / "target"
+    model.save_pretrained(target_path)
+    config = model.config
+    layers = default_target_layer_ids(config.num_hidden_layers, 2)
+    drafter_config = DrafterConfig(
+        hidden_size=config.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=1e6,
+        vocab_size=config.vocab_size,
+        block_size=16,
+        num_target_layers=config.num_hidden_layers,
+        mask_token_id=config.vocab_size - 1,
+        target_layer_ids=layers,
+    )
+    torch.manual_seed(0)
+    draft_path = DFlashDrafter(drafter_config).save_pretrained(folder / "draft")
+    return target_path, draft_path
+
+
+def environment_for(device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> Environment:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.peak_flops is not None and args.bandwidth is not None:
+        hardware = HardwareSpec(name=f"{name} (given)", peak_flops=args.peak_flops, bandwidth=args.bandwidth)
+    elif device.type == "cuda":
+        hardware = lookup_gpu(name)
+    elif args.smoke:
+        hardware = NOMINAL_CPU
+    else:
+        raise SystemExit("on a CPU pass --peak-flops and --bandwidth (or --smoke for nominal peaks)")
+    return Environment(
+        device=str(device),
+        device_name=name,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        hardware=hardware,
+    )
+
+
+def write(out: Path, name: str, report: BaseModel) -> None:
+    path = out / name
+    path.write_text(report.model_dump_json(indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON reports")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and grids: an end-to-end check")
+    parser.add_argument("--target", type=Path, help="trained target folder (with --draft: part b)")
+    parser.add_argument("--draft", type=Path, help="trained DFlash drafter folder (z-lab format)")
+    parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 8 built in)")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-nodes", type=int, default=1024, help="tree budget cap of the adaptive policy")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per latency point")
+    parser.add_argument("--peak-flops", type=float, help="FLOP/s for the roofline (default: by device name)")
+    parser.add_argument("--bandwidth", type=float, help="bytes/s for the roofline (default: by device name)")
+    args = parser.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        parser.error("--target and --draft go together")
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = environment_for(device, dtype, args)
+    torch.manual_seed(0)
+
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny shapes: intra-op threads only add contention
+        widths, contexts, budgets, repeats = (1, 2, 4, 8, 16), (16, 32, 64), (8, 16, 32), 2
+        max_new_tokens, prompt_count, policies = 16, 2, ("ar", "chain", "fixed:8", "fixed:16", "adaptive")
+    else:
+        widths, contexts, budgets, repeats = FULL_WIDTHS, FULL_CONTEXTS, FULL_BUDGETS, args.repeats
+        max_new_tokens, prompt_count, policies = args.max_new_tokens, args.num_prompts, PAIR_POLICIES
+
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.target is not None:
+            target_path, draft_path = args.target, args.draft
+            model = load_causal_lm(target_path, device=device, dtype=dtype)
+            source = str(target_path)
+        else:
+            model = random_target(TINY if args.smoke else QWEN3_8B, device, dtype)
+            source = "random tiny shape" if args.smoke else "random Qwen3-8B shape"
+            target_path, draft_path = smoke_pair(Path(scratch), model) if args.smoke else (None, None)
+        layers = (
+            DrafterConfig.from_json(
+                draft_path, target_num_layers=model.config.num_hidden_layers
+            ).target_layer_ids
+            if draft_path is not None
+            else default_target_layer_ids(model.config.num_hidden_layers, 5)
+        )
+        latency_report, latency = run_latency(
+            TargetModel(model, layers), environment, source, widths, contexts, repeats
+        )
+        write(args.out, "latency.json", latency_report)
+        fit_errors = latency_report.in_sample
+        print(
+            f"verify fit: raw RMSE {fit_errors.rmse_raw * 1e3:.3f} ms, fitted "
+            f"{fit_errors.rmse_fit * 1e3:.3f} ms (held out {latency_report.holdout.rmse_fit * 1e3:.3f} ms)"
+        )
+        planner = run_planner(
+            latency, latency_report.samples, int(model.config.vocab_size), budgets, environment, repeats
+        )
+        write(args.out, "planner.json", planner)
+        if target_path is not None and draft_path is not None:
+            prompts = load_prompts(
+                Path(target_path), args.prompts, prompt_count, int(model.config.vocab_size)
+            )
+            pair = run_pair(
+                Path(target_path),
+                Path(draft_path),
+                model,
+                latency,
+                environment,
+                prompts,
+                max_new_tokens,
+                args.max_nodes,
+                policies,
+            )
+            write(args.out, "pair.json", pair)
+            for run in pair.runs:
+                print(
+                    f"{run.policy:>10}: {run.tokens_per_second:8.1f} tok/s  tau {run.tau:5.2f}  "
+                    f"x{run.speedup_vs_ar:4.2f} vs ar  nodes {run.mean_nodes:6.1f}"
+                )
+
+
+if __name__ == "__main__":
+    main()
