@@ -3,7 +3,7 @@
 Imports torch, numpy and pydantic only (never sglang): usable and testable with no GPU and no server.
 """
 
-from bastion_sglang.controller.batched import DraftTreeBatch, build_trees
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_auto
 from bastion_sglang.controller.latency import (
     FitReport,
     LatencyFit,
@@ -60,6 +60,7 @@ __all__ = [
     "StepCosts",
     "build_tree",
     "build_trees",
+    "build_trees_auto",
     "config_hash",
     "evaluate_fit",
     "expected_accept_length",

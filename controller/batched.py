@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
+from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, validate_budget, validate_draft
 
 
 @dataclass(frozen=True)
@@ -200,4 +200,22 @@ def _merge_levels(
         parents=parents,
         depths=depths.gather(1, order),
         log_scores=scores.gather(1, order),
+    )
+
+
+def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """The trees of `build_trees`, built the fastest way for the device: the heap row by row on the host
+    (a few hundred microseconds per row at budget 1024 where torch ops are slow), the beam on CUDA (no host
+    sync). Both give identical results (tested). Same arguments as `build_trees`.
+    """
+    validate_draft(logprobs, token_ids, batched=True)
+    validate_budget(budget)
+    if logprobs.is_cuda:
+        return build_trees_unchecked(logprobs, token_ids, budget)
+    rows = [build_tree(logprobs[b], token_ids[b], budget) for b in range(logprobs.shape[0])]
+    return DraftTreeBatch(
+        tokens=torch.stack([r.tokens for r in rows]),
+        parents=torch.stack([r.parents for r in rows]),
+        depths=torch.stack([r.depths for r in rows]),
+        log_scores=torch.stack([r.log_scores for r in rows]),
     )

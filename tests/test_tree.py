@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bastion_sglang.controller import ROOT, build_tree, build_trees, expected_accept_length
+from bastion_sglang.controller import ROOT, build_tree, build_trees, build_trees_auto, expected_accept_length
 
 
 def random_draft(
@@ -152,6 +152,9 @@ def test_batched_equals_heap_row_by_row(seed: int) -> None:
             row = trees.row(b)
             for field in ("tokens", "parents", "depths", "log_scores"):
                 assert torch.equal(getattr(heap, field), getattr(row, field)), (field, b, budget)
+        auto = build_trees_auto(logprobs, token_ids, budget)
+        for field in ("tokens", "parents", "depths", "log_scores"):
+            assert torch.equal(getattr(auto, field), getattr(trees, field)), (field, budget)
 
 
 def test_batched_large_budget_realistic_shape() -> None:

@@ -4,7 +4,7 @@ One speculative step (DESIGN.md, "One decode step"), with ctx = tokens in the ta
 token at position ctx:
 
 1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
-2. plan: `build_trees` (best-first, up to the budget), the policy picks n, `flatten_trees` and
+2. plan: `build_trees_auto` (best-first, up to the budget), the policy picks n, `flatten_trees` and
    `build_verify_layout` give the W = n + 1 verify rows;
 3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask;
 4. accept: greedy walk at temperature 0, else the sampling walk on the target's processed distribution;
@@ -34,7 +34,7 @@ from bastion_sglang.controller import (
     BudgetPolicy,
     ChainPolicy,
     FixedPolicy,
-    build_trees,
+    build_trees_auto,
     expected_accept_length,
     parse_policy,
 )
@@ -374,7 +374,7 @@ class ReferenceEngine:
             draft_input = DraftInput(state.tokens[: state.length], state.new_features)
             proposal = self.proposer.propose(draft_input, state.topk)
         with timer.stage("plan"):
-            trees = build_trees(proposal.logprobs, proposal.token_ids, state.budget)
+            trees = build_trees_auto(proposal.logprobs, proposal.token_ids, state.budget)
             nodes = policy.choose(trees.log_scores[0], ctx, self.latency, self._costs_now(ctx))
             expected = expected_accept_length(trees.row(0), nodes)  # host sync: Â for the statistics
             rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], nodes + 1)
