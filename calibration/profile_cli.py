@@ -1,0 +1,168 @@
+"""`bastion profile`: read calibration profiles.
+
+    bastion profile show PATH                  # one profile: identity, fit, errors, grid, step costs
+    bastion profile show auto --model-path M [--dtype D] [--attention-backend B] [--tp N] [--engine E]
+                                             [--device cuda|cpu] [--store DIR]
+                                             # the profile the server would pick for that deployment
+    bastion profile list [--store DIR]         # every profile of the store, one row each
+
+`show auto` resolves exactly as the server does (`lookup.resolve_latency_profile`) and prints its warnings.
+Exit status 0; 1 when `show auto` finds no profile; 2 for an unreadable profile or a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from bastion_sglang.calibration.identity import RuntimeIdentity, config_dtype, detect_device, parse_dtype
+from bastion_sglang.calibration.lookup import AUTO, resolve_latency_profile
+from bastion_sglang.calibration.store import ProfileStore, StoreEntry, plot_path_for
+from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, load_profile
+
+logger = logging.getLogger(__name__)
+
+HELP = "Show one calibration profile, the one a deployment would use, or list the profile store."
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _plus_ms(seconds: float) -> str:
+    """'+ 1.000 ms' or '- 1.000 ms': a term added in a formula."""
+    return f"{'-' if seconds < 0 else '+'} {_ms(abs(seconds))}"
+
+
+def _range(values: list[int]) -> str:
+    return f"{values[0]}..{values[-1]} ({len(values)})" if values else "none"
+
+
+def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str]:
+    """Lines summarising a profile: identity, measured peaks, fit, errors, grid, step costs."""
+    meta, fit, report, costs = profile.metadata, profile.fit, profile.report, profile.step_costs
+    widths = sorted({s.s for s in profile.samples})
+    contexts = sorted({s.c for s in profile.samples})
+    plot = plot_path_for(path) if path is not None else None
+    hardware = profile.hardware
+    lines = [
+        f"profile    {path if path is not None else '(not saved)'}",
+        f"device     {meta.device_name} (driver {meta.driver_version or '-'}, "
+        f"CUDA {meta.cuda_version or '-'})",
+        f"engine     {meta.engine} (sglang {meta.sglang_version or '-'}), "
+        f"attention {meta.attention_backend}, tp {meta.tp_size}",
+        f"model      {meta.model_path} (config {meta.model_config_hash[:12]}), dtype {meta.dtype}",
+        f"created    {meta.created_at.isoformat(timespec='seconds')}",
+        f"peaks      {hardware.peak_flops / 1e12:.3f} TFLOP/s, {hardware.bandwidth / 1e9:.1f} GB/s "
+        f"(measured), {profile.bytes_per_element:g} bytes/element",
+        f"fit        T = max({fit.alpha_c:.4g}·T_comp {_plus_ms(fit.beta_c)}, "
+        f"{fit.alpha_m:.4g}·T_mem {_plus_ms(fit.beta_m)})",
+        f"error      raw roofline RMSE {_ms(report.rmse_raw)}, MAPE {report.mape_raw:.1%}; calibrated RMSE "
+        f"{_ms(report.rmse_fit)}, MAPE {report.mape_fit:.1%} ({report.num_samples} samples)",
+        f"grid       widths {_range(widths)}, contexts {_range(contexts)}, max context {profile.max_context}",
+        f"steps      T_draft {_ms(costs.t_draft)}, T_aux {_ms(costs.t_aux)}, L_AR {_ms(costs.l_ar)}",
+    ]
+    if plot is not None:
+        lines.append(f"plot       {plot if plot.is_file() else f'{plot} (missing)'}")
+    return lines
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def list_lines(store: ProfileStore, entries: list[StoreEntry]) -> list[str]:
+    """The `profile list` table (or a line saying the store is empty)."""
+    if not entries:
+        return [f"no profiles in {store.root}"]
+    rows = []
+    for entry in entries:
+        if entry.profile is None:
+            detail = entry.error.detail if entry.error is not None else "unreadable"
+            rows.append(["INVALID", "-", "-", "-", "-", "-", "-", "-", f"{entry.path.name}: {detail}"])
+            continue
+        meta, report = entry.profile.metadata, entry.profile.report
+        rows.append(
+            [
+                meta.created_at.strftime("%Y-%m-%d %H:%M"),
+                meta.device_name,
+                Path(meta.model_path).name,
+                meta.dtype,
+                meta.attention_backend,
+                str(meta.tp_size),
+                meta.engine,
+                f"{report.rmse_fit * 1e3:.3f} ms / {report.mape_fit:.1%}",
+                entry.path.name,
+            ]
+        )
+    header = ["created", "device", "model", "dtype", "attention", "tp", "engine", "fit RMSE/MAPE", "file"]
+    return [f"store {store.root}", *_table(header, rows)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="profile_command", required=True, metavar="ACTION")
+    show = sub.add_parser(
+        "show", help="print one profile's summary", description="Print a profile's summary."
+    )
+    show.add_argument("profile", metavar="PATH|auto", help="a profile file, or 'auto' to look one up")
+    show.add_argument("--model-path", help="auto: the target model folder (its config.json is hashed)")
+    show.add_argument("--draft-model-path", help="auto: the drafter, only to spell the calibrate command")
+    show.add_argument("--dtype", help="auto: the target dtype (default: the config's dtype)")
+    show.add_argument("--attention-backend", help="auto: the server's attention backend (required with auto)")
+    show.add_argument("--tp", type=int, default=1, help="auto: tensor-parallel size (default 1)")
+    show.add_argument("--engine", choices=("sglang", "reference"), help="auto: only profiles of this engine")
+    show.add_argument("--device", choices=("cuda", "cpu"), help="auto: the device (default: cuda if present)")
+    show.add_argument("--store", help="auto: the profile store folder (default: see `bastion calibrate -h`)")
+    listing = sub.add_parser("list", help="list the profile store", description="List the profile store.")
+    listing.add_argument("--store", help="the profile store folder")
+
+
+def _auto_identity(args: argparse.Namespace) -> RuntimeIdentity:
+    if args.model_path is None or args.attention_backend is None:
+        raise ValueError("`profile show auto` needs --model-path and --attention-backend")
+    device = detect_device(args.device)
+    dtype = parse_dtype(args.dtype) if args.dtype else config_dtype(args.model_path)
+    return RuntimeIdentity.for_runtime(
+        device=device,
+        model_path=args.model_path,
+        dtype=dtype,
+        attention_backend=args.attention_backend,
+        tp_size=args.tp,
+        engine=args.engine,
+        draft_model_path=args.draft_model_path,
+    )
+
+
+def _show(args: argparse.Namespace) -> int:
+    if args.profile.strip().lower() != AUTO:
+        for line in describe_profile(load_profile(args.profile), Path(args.profile)):
+            print(line)
+        return 0
+    store = ProfileStore.locate(args.store)
+    resolved = resolve_latency_profile(AUTO, _auto_identity(args), store)
+    for warning in resolved.warnings:
+        print(f"warning: {warning}")
+    if resolved.profile is None:
+        return 1
+    print(f"source     {resolved.source.value}")
+    for line in describe_profile(resolved.profile, resolved.path):
+        print(line)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.profile_command == "show":
+            return _show(args)
+        store = ProfileStore.locate(args.store)
+        for line in list_lines(store, store.list_profiles()):
+            print(line)
+        return 0
+    except (ValueError, ProfileError) as error:
+        logger.error("%s", error)
+        return 2

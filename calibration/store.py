@@ -1,0 +1,138 @@
+"""The profile store: a folder of calibration profiles (JSON) with their plots (PNG, same stem).
+
+Location, decided once where a command or the server starts (`ProfileStore.locate`):
+1. an explicit folder (`--store DIR`);
+2. else the environment variable BASTION_PROFILE_STORE (read once, by `locate`, nowhere else);
+3. else DEFAULT_STORE under the user's home: ~/.cache/bastion-sglang/profiles.
+
+File names (`profile_file_name`) are for people; lookups read the metadata inside each file:
+<device>--<model>--<dtype>--<attention backend>--tp<N>--<engine>--<first 12 of config hash>--<UTC time>.json,
+every part lower-cased with runs of other characters than [a-z0-9.] turned into "-". Files whose name starts
+with "." (e.g. the temporary files of an atomic save) are not profiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC
+from pathlib import Path
+
+from bastion_sglang.calibration.identity import RuntimeIdentity
+from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, load_profile
+
+logger = logging.getLogger(__name__)
+
+STORE_ENV = "BASTION_PROFILE_STORE"
+"""Environment variable naming the store folder when no --store is given."""
+DEFAULT_STORE = Path(".cache") / "bastion-sglang" / "profiles"
+"""The store folder relative to the user's home directory when neither --store nor STORE_ENV is set."""
+PROFILE_SUFFIX = ".json"
+PLOT_SUFFIX = ".png"
+
+
+def _slug(text: str) -> str:
+    """Lower case, runs of characters outside [a-z0-9.] -> '-', no leading/trailing '-'."""
+    slug = re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+    return slug or "unnamed"
+
+
+def profile_file_name(profile: CalibrationProfile) -> str:
+    """The store's file name for `profile` (module docstring)."""
+    meta = profile.metadata
+    model = Path(meta.model_path.rstrip("/\\")).name or meta.model_path
+    parts = (
+        _slug(meta.device_name),
+        _slug(model),
+        _slug(meta.dtype),
+        _slug(meta.attention_backend),
+        f"tp{meta.tp_size}",
+        meta.engine,
+        meta.model_config_hash[:12],
+        meta.created_at.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ"),
+    )
+    return "--".join(parts) + PROFILE_SUFFIX
+
+
+def plot_path_for(profile_path: Path) -> Path:
+    """Where the plot of the profile at `profile_path` lives: the same stem with .png."""
+    return profile_path.with_suffix(PLOT_SUFFIX)
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    """One profile file of the store: its contents, or why they cannot be read (exactly one is set)."""
+
+    path: Path
+    profile: CalibrationProfile | None
+    error: ProfileError | None
+
+
+@dataclass(frozen=True)
+class ProfileMatch:
+    """A stored profile that matches a runtime identity."""
+
+    path: Path
+    profile: CalibrationProfile
+
+
+@dataclass(frozen=True)
+class ProfileStore:
+    """A folder of calibration profiles. `root` need not exist yet (an empty store)."""
+
+    root: Path
+
+    @classmethod
+    def locate(cls, explicit: str | Path | None, environ: Mapping[str, str] = os.environ) -> ProfileStore:
+        """The store to use: `explicit`, else $BASTION_PROFILE_STORE, else ~/.cache/bastion-sglang/profiles.
+
+        Reads `environ` once; call this once where a command or the server starts and pass the store on.
+        """
+        if explicit is not None:
+            root, why = Path(explicit), "--store"
+        elif environ.get(STORE_ENV):
+            root, why = Path(environ[STORE_ENV]), f"${STORE_ENV}"
+        else:
+            root, why = Path.home() / DEFAULT_STORE, "the default location"
+        store = cls(root.expanduser())
+        logger.debug("profile store: %s (from %s)", store.root, why)
+        return store
+
+    def path_for(self, profile: CalibrationProfile) -> Path:
+        """Where `profile` is saved in this store."""
+        return self.root / profile_file_name(profile)
+
+    def list_profiles(self) -> list[StoreEntry]:
+        """Every profile file of the store, sorted by name, each loaded or with its ProfileError."""
+        if not self.root.exists():
+            return []
+        if not self.root.is_dir():
+            raise ProfileError(self.root, "the profile store is not a folder")
+        entries = []
+        for path in sorted(self.root.glob(f"*{PROFILE_SUFFIX}")):
+            if path.name.startswith(".") or not path.is_file():
+                continue
+            try:
+                entries.append(StoreEntry(path, load_profile(path), None))
+            except ProfileError as error:
+                entries.append(StoreEntry(path, None, error))
+        return entries
+
+    def find_profile(self, identity: RuntimeIdentity) -> ProfileMatch | None:
+        """The newest profile (by `created_at`) whose metadata matches `identity` in every field, or None.
+
+        Raises the ProfileError of the first unreadable, corrupt or wrong-version file in the store: a
+        store the server cannot fully read is refused, not silently skipped.
+        """
+        matches = []
+        for entry in self.list_profiles():
+            if entry.error is not None:
+                raise entry.error
+            if entry.profile is not None and not identity.mismatches(entry.profile.metadata):
+                matches.append(ProfileMatch(entry.path, entry.profile))
+        if not matches:
+            return None
+        return max(matches, key=lambda match: (match.profile.metadata.created_at, match.path.name))

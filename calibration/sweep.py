@@ -1,0 +1,253 @@
+"""The measurement grid and the measurements: verify latency over (tree width, context), and the step costs.
+
+Grid. Widths s (tokens per verify pass, root included): 1, then powers of two and their midpoints
+(2, 3, 4, 6, 8, 12, 16, 24, ...) below the largest width, then the largest width itself, so every captured
+bucket of the default power-of-two schedule and the cap N_max + 1 are measured (`width_grid`); or an
+explicit list. Contexts c: powers of two from 64 up to the largest context, which is always included
+(`context_grid`).
+
+Verify latency. Per context the engine fills its KV cache with c tokens and the drafter runs once on it;
+the best-first tree of the drafter's top-K (K = the server's default) at the largest budget gives, for
+every width s, the first s - 1 nodes: the verify pass runs the same tokens, positions and ancestor mask as
+a decode step would. Each (s, c) is run `warmup` times untimed, then `repeats` timed times (the KV it wrote
+dropped before every call); the median is the sample.
+
+Step costs (BASTION eq. 7), at the middle context of the grid:
+- T_draft: one drafter pass (block [bonus, MASK × (γ-1)], LM head, top-K), median;
+- L_AR: one plain decode step of the target (one token, greedy pick), median;
+- T_aux: the controller and kernel calls of a decode step outside the two forwards, on the drafter's real
+  top-K: `build_trees` at N_max, `plan_batch` with the adaptive policy on the fitted latency model,
+  `flatten_trees`, `build_verify_layout`, `flat_custom_mask` where the engine needs one (SGLang),
+  `accept_greedy` on target-shaped logits, `accepted_kv_moves`; median.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from bastion_sglang import kernels
+from bastion_sglang.calibration.timing import median_seconds
+from bastion_sglang.config import DEFAULT_TOPK
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_unchecked
+from bastion_sglang.controller.latency import LatencyModel, LatencySample
+from bastion_sglang.controller.policies import AdaptivePolicy, plan_batch
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
+
+logger = logging.getLogger(__name__)
+
+MIN_CONTEXT = 64
+"""Smallest context of the grid, tokens."""
+BONUS_TOKEN = 0
+"""Token id placed at the root of the measured trees (its value does not change the cost)."""
+
+
+def width_grid(max_width: int) -> tuple[int, ...]:
+    """1, the powers of two and their midpoints below max_width, then max_width (module docstring)."""
+    if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 2:
+        raise ValueError(f"the largest verify width must be an int >= 2 (root + 1 node), got {max_width!r}")
+    widths = {1, max_width}
+    power = 2
+    while power < max_width:
+        widths.add(power)
+        if power + power // 2 < max_width:
+            widths.add(power + power // 2)
+        power *= 2
+    return tuple(sorted(widths))
+
+
+def check_widths(widths: Sequence[int]) -> tuple[int, ...]:
+    """An explicit width list: sorted, unique, ints >= 1, at least two (the fit needs two points)."""
+    values = tuple(widths)
+    if (
+        len(values) < 2
+        or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in values)
+        or list(values) != sorted(set(values))
+    ):
+        raise ValueError(f"--widths must be at least two sorted, unique ints >= 1, got {list(values)}")
+    return values
+
+
+def context_grid(max_context: int) -> tuple[int, ...]:
+    """Powers of two from MIN_CONTEXT up to max_context, then max_context itself."""
+    if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < MIN_CONTEXT:
+        raise ValueError(f"--max-context must be an int >= {MIN_CONTEXT}, got {max_context!r}")
+    contexts = []
+    context = MIN_CONTEXT
+    while context < max_context:
+        contexts.append(context)
+        context *= 2
+    contexts.append(max_context)
+    return tuple(contexts)
+
+
+class MeasurementEngine(Protocol):
+    """A target + drafter pair that runs single-request forwards on demand (batch 1).
+
+    State: a KV cache holding `context` tokens (after `set_context`) and the drafter's context over them.
+    """
+
+    @property
+    def device(self) -> torch.device:
+        """Where the models run."""
+
+    @property
+    def needs_flat_mask(self) -> bool:
+        """Whether a decode step builds SGLang's flat custom mask (part of T_aux)."""
+
+    def set_context(self, context: int) -> None:
+        """Reset the caches to `context` committed tokens (target KV and drafter context)."""
+
+    def draft(self, k: int) -> DraftTopK:
+        """One drafter pass after the context: top-k of the next D positions, DraftTopK [1, D, k]."""
+
+    def verify(self, rows: TreeBatch, layout: VerifyLayout) -> None:
+        """One target verify pass of rows [1, W] after the context (its KV is appended to the cache)."""
+
+    def decode(self) -> None:
+        """One plain decode step after the context: one token, greedy pick (its KV is appended)."""
+
+    def discard(self) -> None:
+        """Drop whatever `verify` or `decode` appended, back to `context` tokens."""
+
+    def vocab_size(self) -> int:
+        """V, rows of the target's LM head."""
+
+    def close(self) -> None:
+        """Release the models and caches."""
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """How to measure: the grid, the tree source and the timing counts.
+
+    widths: verify widths s (tokens per pass, root included), sorted. contexts: cached tokens c, sorted.
+    topk: K candidates per draft position. warmup / repeats: untimed / timed calls per point.
+    """
+
+    widths: tuple[int, ...]
+    contexts: tuple[int, ...]
+    topk: int = DEFAULT_TOPK
+    warmup: int = 3
+    repeats: int = 10
+
+    def __post_init__(self) -> None:
+        check_widths(self.widths)
+        if not self.contexts or list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 0:
+            raise ValueError(f"contexts must be sorted, unique and >= 0, got {list(self.contexts)}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk must be a positive int, got {self.topk!r}")
+
+    @property
+    def budget(self) -> int:
+        """N_max: draft nodes of the widest pass."""
+        return self.widths[-1] - 1
+
+    @property
+    def mid_context(self) -> int:
+        """The context the step costs are measured at: the middle of the grid."""
+        return self.contexts[len(self.contexts) // 2]
+
+
+def draft_trees(engine: MeasurementEngine, settings: SweepSettings) -> tuple[DraftTopK, DraftTreeBatch]:
+    """The drafter's top-K at the current context and its best-first tree at N_max nodes.
+
+    Raises ValueError when the top-K lattice holds fewer nodes than the widest pass needs."""
+    top = engine.draft(min(settings.topk, engine.vocab_size()))
+    trees = build_trees(top.logprobs, top.token_ids, settings.budget)
+    if trees.num_nodes < settings.budget:
+        depth, k = top.logprobs.shape[1:]
+        raise ValueError(
+            f"the drafter's {depth} positions × top-{k} give {trees.num_nodes} tree nodes, fewer than the "
+            f"{settings.budget} the largest width {settings.widths[-1]} needs; lower --max-width"
+        )
+    return top, trees
+
+
+def _verify_inputs(
+    trees: DraftTreeBatch, width: int, context: int, device: torch.device
+) -> tuple[TreeBatch, VerifyLayout]:
+    """Verify rows [1, width] of the first width - 1 nodes of `trees`, and their layout after `context`."""
+    bonus = torch.full((1,), BONUS_TOKEN, dtype=torch.int64, device=device)
+    rows = kernels.flatten_trees(trees, bonus, width)
+    layout = kernels.build_verify_layout(rows, torch.tensor([context], dtype=torch.int64, device=device))
+    return rows, layout
+
+
+def measure_verify_grid(engine: MeasurementEngine, settings: SweepSettings) -> list[LatencySample]:
+    """Median verify seconds at every (width, context) of the grid, with a progress bar."""
+    samples = []
+    total = len(settings.widths) * len(settings.contexts)
+    with tqdm(total=total, desc="verify latency", unit="point", dynamic_ncols=True) as bar:
+        for context in settings.contexts:
+            engine.set_context(context)
+            _, trees = draft_trees(engine, settings)
+            for width in settings.widths:
+                rows, layout = _verify_inputs(trees, width, context, engine.device)
+                seconds = median_seconds(
+                    lambda rows=rows, layout=layout: engine.verify(rows, layout),
+                    engine.device,
+                    settings.warmup,
+                    settings.repeats,
+                    reset=engine.discard,
+                )
+                samples.append(LatencySample(s=width, c=context, seconds=seconds))
+                bar.set_postfix_str(f"s={width} c={context} {seconds * 1e3:.2f} ms")
+                bar.update()
+            logger.debug(
+                "context %d: %s",
+                context,
+                ", ".join(f"s={x.s} {x.seconds * 1e3:.2f} ms" for x in samples[-len(settings.widths) :]),
+            )
+    return samples
+
+
+@dataclass(frozen=True)
+class StepCostReport:
+    """Measured step costs and what T_aux was measured on."""
+
+    costs: StepCosts
+    aux_nodes: int  # draft nodes the adaptive policy chose in the timed planning
+
+
+def measure_step_costs(
+    engine: MeasurementEngine, settings: SweepSettings, latency: LatencyModel
+) -> StepCostReport:
+    """T_draft, L_AR and T_aux at the grid's middle context (module docstring). latency: the fitted model
+    the adaptive policy plans with while T_aux is timed."""
+    context = settings.mid_context
+    device = engine.device
+    engine.set_context(context)
+    top, _ = draft_trees(engine, settings)
+    k = int(top.logprobs.shape[-1])
+    t_draft = median_seconds(lambda: engine.draft(k), device, settings.warmup, settings.repeats)
+    l_ar = median_seconds(engine.decode, device, settings.warmup, settings.repeats, reset=engine.discard)
+    partial = StepCosts(t_draft=t_draft, t_aux=0.0, l_ar=l_ar)
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn((1, settings.widths[-1], engine.vocab_size()), device=device, generator=generator)
+    bonus = torch.full((1,), BONUS_TOKEN, dtype=torch.int64, device=device)
+    ctx = torch.tensor([context], dtype=torch.int64, device=device)
+    policy = AdaptivePolicy()
+    chosen: list[int] = []
+
+    def aux_step() -> None:
+        trees = build_trees_unchecked(top.logprobs, top.token_ids, settings.budget)  # checked by draft_trees
+        plan = plan_batch(trees, [context], latency, partial, policy)
+        rows = kernels.flatten_trees(trees, bonus, plan.width)
+        layout = kernels.build_verify_layout(rows, ctx)
+        if engine.needs_flat_mask:
+            kernels.flat_custom_mask(layout.ancestor_mask, ctx, seq_lens_sum=context)
+        accept = kernels.accept_greedy(rows, logits[:, : plan.width])
+        kernels.accepted_kv_moves(accept.accept_index, accept.accept_length, ctx)
+        chosen.append(plan.node_counts[0])
+
+    t_aux = median_seconds(aux_step, device, settings.warmup, settings.repeats)
+    costs = StepCosts(t_draft=t_draft, t_aux=t_aux, l_ar=l_ar)
+    return StepCostReport(costs=costs, aux_nodes=chosen[-1])

@@ -1,0 +1,83 @@
+"""Synthetic calibration profiles for the calibration tests: known latencies, no measurement.
+
+`synthetic_samples(fit)` gives the exact verify seconds a known calibrated roofline predicts for a Qwen3-8B
+shape on an H100 datasheet spec; `make_profile(**metadata_changes)` fits them through the calibrate CLI's
+own path (`calibration.fitting.build_profile`) with a metadata record that tests change field by field.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from itertools import product
+from typing import Any
+
+from bastion_sglang.calibration.fitting import build_profile
+from bastion_sglang.calibration.identity import RuntimeIdentity
+from bastion_sglang.controller.latency import LatencyFit, LatencySample
+from bastion_sglang.controller.profile import CalibrationProfile, ProfileMetadata, StepCosts
+from bastion_sglang.controller.roofline import KNOWN_GPUS, ModelShape, RooflineModel
+
+QWEN3_8B = ModelShape(
+    num_layers=36,
+    hidden_size=4096,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_size=12288,
+    vocab_size=151936,
+)
+H100 = KNOWN_GPUS["H100-SXM"]
+TRUE_FIT = LatencyFit(alpha_c=1.8, beta_c=2.5e-3, alpha_m=1.3, beta_m=1.2e-3)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+CONTEXTS = (64, 512, 4096)
+COSTS = StepCosts(t_draft=2.0e-3, t_aux=4.0e-4, l_ar=1.8e-2)
+HASH = "a" * 64
+OTHER_HASH = "b" * 64
+BASE_METADATA: dict[str, Any] = dict(
+    device_name="NVIDIA H100 80GB HBM3",
+    driver_version="550.54.15",
+    cuda_version="12.4",
+    sglang_version="0.5.23",
+    engine="sglang",
+    model_path="/models/Qwen3-8B",
+    model_config_hash=HASH,
+    dtype="bfloat16",
+    attention_backend="triton",
+    tp_size=1,
+    created_at=datetime(2026, 1, 1, tzinfo=UTC),
+)
+IDENTITY = RuntimeIdentity(
+    device_name="NVIDIA H100 80GB HBM3",
+    model_config_hash=HASH,
+    dtype="bfloat16",
+    attention_backend="triton",
+    tp_size=1,
+    model_path="/models/Qwen3-8B",
+    draft_model_path="/models/Qwen3-8B-DFlash-b16",
+)
+
+
+def synthetic_samples(
+    fit: LatencyFit, widths: tuple[int, ...] = WIDTHS, contexts: tuple[int, ...] = CONTEXTS
+) -> list[LatencySample]:
+    """Verify seconds exactly as `fit` on the Qwen3-8B / H100 roofline predicts them."""
+    roofline = RooflineModel(QWEN3_8B, H100, 2)
+    return [
+        LatencySample(
+            s=s, c=c, seconds=fit.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
+        )
+        for s, c in product(widths, contexts)
+    ]
+
+
+def make_profile(samples: list[LatencySample] | None = None, **metadata: Any) -> CalibrationProfile:
+    """A profile fitted by `build_profile` on `samples` (default: TRUE_FIT's), BASE_METADATA | metadata."""
+    return build_profile(
+        metadata=ProfileMetadata(**(BASE_METADATA | metadata)),
+        shape=QWEN3_8B,
+        hardware=H100,
+        bytes_per_element=2.0,
+        samples=samples if samples is not None else synthetic_samples(TRUE_FIT),
+        step_costs=COSTS,
+        max_context=max(CONTEXTS),
+    )

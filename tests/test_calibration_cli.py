@@ -1,0 +1,244 @@
+"""`bastion calibrate` end to end on tiny real models (CPU), then `bastion profile` and the lookup on what
+it wrote.
+
+The reference-engine run is the CI check: a random fp32 Qwen3 target and DFlash drafter
+(tests/tiny_models.py), widths 1..16 × contexts 64, 128, two timed runs per point, one intra-op thread (the
+CI box is shared: two threads contending for two busy cores turn millisecond passes into second-long
+stalls). The SGLang-engine run starts SGLang's model runner on the CPU in a child process (SGLang's runtime
+context is process-global) and is marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from bastion_sglang import cli
+from bastion_sglang.calibration import __main__ as calibration_main
+from bastion_sglang.calibration.identity import RuntimeIdentity, device_name, model_config_hash
+from bastion_sglang.calibration.lookup import ProfileSource, resolve_latency_profile
+from bastion_sglang.calibration.store import ProfileStore
+from bastion_sglang.calibration.sweep import context_grid, width_grid
+from bastion_sglang.controller.profile import CalibrationProfile, load_profile
+
+CPU = torch.device("cpu")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+GRID = ["--max-width", "16", "--max-context", "128", "--repeats", "2", "--warmup", "1"]
+TIME_LIMIT = 120.0  # seconds for the whole reference calibration on the CI box
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    target: Path
+    drafter: Path
+    store: ProfileStore
+    exit_code: int
+    stdout: str
+    seconds: float
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    target = make_tiny_target(root / "target")
+    return target, make_tiny_drafter(root / "drafter", target)
+
+
+@pytest.fixture(scope="module")
+def calibrated(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Calibrated:
+    target, drafter = pair
+    store = ProfileStore(tmp_path_factory.mktemp("store") / "profiles")
+    argv = ["calibrate", "--model-path", str(target), "--draft-model-path", str(drafter)]
+    argv += ["--engine", "reference", "--device", "cpu", *GRID, "--store", str(store.root)]
+    out = io.StringIO()
+    start = time.perf_counter()
+    with one_thread(), contextlib.redirect_stdout(out):
+        code = cli.main(argv)
+    return Calibrated(target, drafter, store, code, out.getvalue(), time.perf_counter() - start)
+
+
+def only_profile(store: ProfileStore) -> tuple[Path, CalibrationProfile]:
+    files = sorted(store.root.glob("*.json"))
+    assert len(files) == 1, files
+    return files[0], load_profile(files[0])
+
+
+def test_calibrate_runs_end_to_end_in_time(calibrated: Calibrated) -> None:
+    assert calibrated.exit_code == 0
+    assert calibrated.seconds < TIME_LIMIT
+
+
+def test_profile_records_the_deployment(calibrated: Calibrated) -> None:
+    _, profile = only_profile(calibrated.store)
+    meta = profile.metadata
+    assert meta.engine == "reference" and meta.attention_backend == "sdpa" and meta.tp_size == 1
+    assert meta.device_name == device_name(CPU) and meta.device_name.startswith("CPU ")
+    assert meta.model_config_hash == model_config_hash(calibrated.target)
+    assert meta.model_path == str(calibrated.target)
+    assert meta.dtype == "float32" and profile.bytes_per_element == 4.0
+    assert meta.driver_version is None and meta.cuda_version is None and meta.sglang_version is None
+    assert abs(time.time() - meta.created_at.timestamp()) < 600
+    assert profile.hardware.name == meta.device_name
+
+
+def test_profile_holds_the_whole_grid_and_step_costs(calibrated: Calibrated) -> None:
+    _, profile = only_profile(calibrated.store)
+    points = {(sample.s, sample.c) for sample in profile.samples}
+    assert points == set(itertools.product(width_grid(16), context_grid(128)))
+    assert len(profile.samples) == len(points)
+    assert all(sample.seconds > 0 and sample.batch == 1 for sample in profile.samples)
+    costs = profile.step_costs
+    assert costs.t_draft > 0 and costs.t_aux > 0 and costs.l_ar > 0
+    assert profile.max_context == 128 and profile.width_buckets is None
+    assert profile.model_shape.num_layers == 4 and profile.model_shape.vocab_size == 512
+    assert profile.report.num_samples == len(points)
+    assert profile.report.rmse_fit < profile.report.rmse_raw
+
+
+def test_plot_is_a_real_png_next_to_the_profile(calibrated: Calibrated) -> None:
+    path, _ = only_profile(calibrated.store)
+    plot = path.with_suffix(".png")
+    data = plot.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 600 and height >= 300
+    assert len(data) > 10_000
+    assert sorted(p.name for p in calibrated.store.root.iterdir()) == sorted([path.name, plot.name])
+
+
+def test_calibrate_prints_peaks_errors_and_the_path(calibrated: Calibrated) -> None:
+    path, _ = only_profile(calibrated.store)
+    text = calibrated.stdout
+    assert "measured: matmul" in text and "copy bandwidth" in text
+    assert f"no KNOWN_GPUS entry for '{device_name(CPU)}'" in text
+    assert "raw roofline RMSE" in text and "calibrated RMSE" in text
+    assert f"profile    {path}" in text
+
+
+def test_auto_lookup_finds_the_new_profile_for_the_same_identity(calibrated: Calibrated) -> None:
+    path, _ = only_profile(calibrated.store)
+    identity = RuntimeIdentity.for_runtime(
+        device=CPU,
+        model_path=calibrated.target,
+        dtype=torch.float32,
+        attention_backend="sdpa",
+        tp_size=1,
+        engine="reference",
+    )
+    resolved = resolve_latency_profile("auto", identity, calibrated.store)
+    assert (resolved.source, resolved.path, resolved.warnings) == (ProfileSource.STORE, path, ())
+    other = identity.model_copy(update={"attention_backend": "eager"})
+    missed = resolve_latency_profile("auto", other, calibrated.store)
+    assert missed.profile is None and "--attention-backend eager" in missed.warnings[0]
+
+
+def test_profile_list_and_show(calibrated: Calibrated, capsys: pytest.CaptureFixture[str]) -> None:
+    path, profile = only_profile(calibrated.store)
+    assert cli.main(["profile", "list", "--store", str(calibrated.store.root)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0] == f"store {calibrated.store.root}"
+    assert listing[1].split()[:3] == ["created", "device", "model"]
+    assert path.name in listing[2] and "reference" in listing[2] and "float32" in listing[2]
+
+    assert cli.main(["profile", "show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    fit = profile.fit
+    assert f"profile    {path}" in shown
+    assert f"T = max({fit.alpha_c:.4g}·T_comp" in shown
+    assert "T_draft" in shown and "L_AR" in shown and "widths 1..16 (8), contexts 64..128 (2)" in shown
+
+    auto = ["profile", "show", "auto", "--model-path", str(calibrated.target), "--device", "cpu"]
+    auto += ["--store", str(calibrated.store.root), "--attention-backend"]
+    assert cli.main([*auto, "sdpa"]) == 0
+    assert f"profile    {path}" in capsys.readouterr().out
+    assert cli.main([*auto, "eager"]) == 1
+    assert "warning: no latency profile" in capsys.readouterr().out
+
+
+def test_profile_list_of_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["profile", "list", "--store", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out.strip() == f"no profiles in {tmp_path / 'empty'}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tp", "2"], "--tp 2: BASTION runs with tensor-parallel size 1 only"),
+        (["--engine", "reference", "--attention-backend", "triton"], "not a reference-engine backend"),
+        (["--max-context", "32"], "--max-context must be an int >= 64, got 32"),
+        (["--widths", "8", "4"], "--widths must be at least two sorted"),
+        (["--dtype", "int8"], "'int8' is not a torch floating-point dtype"),
+    ],
+)
+def test_bad_arguments_fail_before_measuring(
+    pair: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture, extra: list[str], message: str
+) -> None:
+    target, drafter = pair
+    argv = ["calibrate", "--model-path", str(target), "--draft-model-path", str(drafter), "--device", "cpu"]
+    assert cli.main([*argv, "--out", str(tmp_path / "p.json"), *extra]) == 2
+    assert message in caplog.text
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_missing_model_folder_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    argv = ["calibrate", "--model-path", str(tmp_path / "missing"), "--draft-model-path", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert f"{tmp_path / 'missing'}: neither a model folder" in caplog.text
+
+
+def test_python_dash_m_entry_point_has_the_calibrate_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        calibration_main.main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m bastion_sglang.calibration")
+    for flag in ("--model-path", "--engine", "--max-width", "--widths", "--store", "--out"):
+        assert flag in text
+
+
+@pytest.mark.slow
+def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("sglang")
+    target, drafter = pair
+    out = tmp_path / "sglang.json"
+    argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]
+    argv += ["--draft-model-path", str(drafter), "--engine", "sglang", "--device", "cpu", *GRID]
+    argv += ["--max-width", "8", "--out", str(out)]
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    profile = load_profile(out)
+    assert (profile.metadata.engine, profile.metadata.attention_backend) == ("sglang", "torch_native")
+    assert profile.metadata.sglang_version == "0.5.23"
+    assert {sample.s for sample in profile.samples} == set(width_grid(8))
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
