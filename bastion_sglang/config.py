@@ -1,0 +1,120 @@
+"""BASTION's run configuration: one frozen, validated record handed to the worker.
+
+Terms. N_max (`max_budget`) is the most draft nodes one request may verify in a step; the verify pass then
+holds at most `verify_width_cap` = N_max + 1 tokens per request (the bonus token is the root). K (`topk`) is
+how many candidates per draft position the tree search may branch into. Width buckets are the verify widths
+(tokens per request, root included) that a captured CUDA graph serves; the bucketed policy fills the best
+one completely because its nodes are already paid for.
+
+SGLang server arguments are mapped to this record only in `bastion_sglang/registration.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bastion_sglang.controller import AdaptivePolicy, BucketedAdaptivePolicy, BudgetPolicy, FixedPolicy
+
+DEFAULT_MAX_BUDGET = 64
+DEFAULT_TOPK = 8
+DEFAULT_EMA_ALPHA = 0.1
+ADAPTIVE = AdaptivePolicy()
+"""The default policy (a stateless frozen value, shared)."""
+
+
+def default_width_buckets(max_budget: int) -> tuple[int, ...]:
+    """Powers of two from 2 below the cap, then the cap N_max + 1 itself: (2, 4, 8, ..., N_max + 1)."""
+    cap = max_budget + 1
+    buckets = []
+    width = 2
+    while width < cap:
+        buckets.append(width)
+        width *= 2
+    buckets.append(cap)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class BastionConfig:
+    """Everything BASTION needs besides SGLang's own server arguments.
+
+    max_budget: N_max, draft nodes per request per step (>= 1); the verify width cap is N_max + 1.
+    policy: how many best-first nodes to verify each step (adaptive, bucketed, fixed:N, chain).
+    profile_path: a calibration profile (JSON written by `bastion calibrate`), or None for "auto": an
+        uncalibrated roofline of the target corrected online by the EMA.
+    ema_alpha: weight of the newest observed/predicted verify-latency ratio in the EMA, in (0, 1].
+    width_buckets: verify widths (tokens per request, root included), sorted, unique, each in
+        [2, N_max + 1]; the bucketed policy's candidates and the CUDA-graph widths.
+    topk: K, candidates per draft position, 1 <= K <= N_max (a chain policy uses 1 whatever K is).
+    draft_proposer: "module:callable" of a `worker.DraftProposer` factory called once with
+        `draft_proposer_arg` in the scheduler process; it may rewrite the drafter's logits each step
+        (the seam tests use for an oracle drafter). None: the drafter's logits as they are.
+    """
+
+    max_budget: int = DEFAULT_MAX_BUDGET
+    policy: BudgetPolicy = ADAPTIVE
+    profile_path: Path | None = None
+    ema_alpha: float = DEFAULT_EMA_ALPHA
+    width_buckets: tuple[int, ...] = default_width_buckets(DEFAULT_MAX_BUDGET)
+    topk: int = DEFAULT_TOPK
+    draft_proposer: str | None = None
+    draft_proposer_arg: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_budget, bool) or not isinstance(self.max_budget, int) or self.max_budget < 1:
+            raise ValueError(f"max_budget (N_max) must be a positive int, got {self.max_budget!r}")
+        if not isinstance(self.policy, BudgetPolicy):
+            raise ValueError(f"policy must be a BudgetPolicy, got {self.policy!r}")
+        if isinstance(self.policy, FixedPolicy) and self.policy.nodes > self.max_budget:
+            raise ValueError(
+                f"policy fixed:{self.policy.nodes} verifies more nodes than max_budget {self.max_budget}; "
+                f"raise the budget to at least {self.policy.nodes} or lower N"
+            )
+        if (
+            isinstance(self.policy, BucketedAdaptivePolicy)
+            and self.policy.width_buckets != self.width_buckets
+        ):
+            raise ValueError(
+                f"the bucketed policy's buckets {self.policy.width_buckets} differ from width_buckets "
+                f"{self.width_buckets}"
+            )
+        if self.profile_path is not None and not isinstance(self.profile_path, Path):
+            raise ValueError(f"profile_path must be a pathlib.Path or None, got {self.profile_path!r}")
+        if isinstance(self.ema_alpha, bool) or not isinstance(self.ema_alpha, int | float):
+            raise ValueError(f"ema_alpha must be a number in (0, 1], got {self.ema_alpha!r}")
+        if not 0.0 < float(self.ema_alpha) <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        buckets = self.width_buckets
+        if (
+            not buckets
+            or any(isinstance(b, bool) or not isinstance(b, int) for b in buckets)
+            or list(buckets) != sorted(set(buckets))
+        ):
+            raise ValueError(f"width_buckets must be sorted, unique ints, got {buckets!r}")
+        if buckets[0] < 2 or buckets[-1] > self.verify_width_cap:
+            raise ValueError(
+                f"width_buckets {buckets} must lie in [2, {self.verify_width_cap}] "
+                f"(verify widths count the root; the cap is max_budget + 1)"
+            )
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk (K) must be a positive int, got {self.topk!r}")
+        if self.topk > self.max_budget:
+            raise ValueError(
+                f"topk {self.topk} exceeds max_budget {self.max_budget}: a tree holds at most N_max nodes"
+            )
+        if self.draft_proposer is not None:
+            module, _, attr = self.draft_proposer.partition(":")
+            if not module or not attr:
+                raise ValueError(f"draft_proposer must be 'module:callable', got {self.draft_proposer!r}")
+
+    @property
+    def verify_width_cap(self) -> int:
+        """Most tokens per request in one verify pass: N_max draft nodes plus the root (bonus) token."""
+        return self.max_budget + 1
+
+    @property
+    def branching(self) -> int:
+        """Candidates per depth the tree search uses: `topk`, capped by the policy (1 for a chain)."""
+        cap = self.policy.topk_cap
+        return self.topk if cap is None else min(cap, self.topk)

@@ -1,0 +1,303 @@
+"""What BASTION needs inside SGLang 0.5.23 on a plain CPU (torch CPU build, no sgl-kernel, no Triton driver).
+
+Two stages, both only on CPU:
+
+`prepare_cpu_torch_build` runs from the plugin's `register()` in every SGLang process when torch is a
+CPU-only build (no CUDA, no HIP: every device is then the CPU), before SGLang resolves its arguments:
+- `torchvision` placeholder (only when torchvision is not installed): resolving server arguments imports
+  `sglang.srt.configs`, whose `deepseek_ocr` and `multimodal/internvl_utils` modules import names from
+  `torchvision.transforms` at module level for their image paths. A PyPI torchvision wheel cannot be
+  installed instead: it is built against CUDA torch and breaks `import sglang` beside CPU torch. The
+  placeholder's names raise ImportError when used, so only those multimodal paths (never BASTION's)
+  would notice.
+- `vllm._custom_ops` placeholder (only when vllm is absent): `RotaryEmbedding.__init__`
+  (`layers/rotary_embedding/base.py`) imports `vllm._custom_ops.rotary_embedding` on a device that is
+  neither CUDA nor SGLang's CPU engine, although it then runs `forward_native`.
+
+`prepare_scheduler_process` runs in each scheduler process whose server arguments say `--device cpu`
+and `--speculative-algorithm BASTION`, before the scheduler builds its models. Each stand-in is
+installed through SGLang's `HookRegistry` (which also rebinds every `from X import name` copy):
+- `TorchNativeAttnBackend.forward_extend` gains a TARGET_VERIFY branch (SGLang's has none: it reads
+  extend_prefix_lens, which verify batches lack): per request, queries attend to the cached prefix and
+  to the verify tokens the flat custom mask allows (`kernels.tree_attention`).
+- `mem_cache.allocation.assign_req_to_token_pool_func` -> a torch loop (SGLang's runs the Triton kernel
+  `assign_req_to_token_pool` unless its CPU engine is on; decode allocation for speculation calls it).
+- `kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func` -> host byte copies (SGLang's launches a
+  Triton kernel unless its CPU engine is on; the KV pool warms it up when speculation is on).
+- `ModelRunner._extend_forward_kwargs` casts `input_embeds` to the model dtype instead of always
+  `.bfloat16()` (the drafter's block arrives as embeddings; an fp32 CPU model would get bf16 inputs).
+- `torch_native` joins SGLang's draft attention backend choices (`arg_groups.choices`, a list SGLang
+  exports for extension), so the drafter worker keeps the CPU backend instead of falling back to flashinfer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bastion_sglang.kernels import tree_attention
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+CPU_BACKEND = "torch_native"
+
+
+def is_cpu_torch_build() -> bool:
+    """True when torch was built without CUDA and HIP (so every SGLang device here is the CPU)."""
+    return torch.version.cuda is None and torch.version.hip is None
+
+
+def prepare_cpu_torch_build() -> None:
+    """Make SGLang importable and runnable on a CPU-only torch build; a no-op on any other build."""
+    if not is_cpu_torch_build():
+        return
+    install_torchvision_placeholder()
+    install_vllm_placeholder()
+
+
+def prepare_scheduler_process(server_args: Any) -> None:
+    """Install BASTION's CPU stand-ins in this scheduler process when it runs BASTION on the CPU."""
+    from bastion_sglang.registration import ALGORITHM
+
+    if str(server_args.device) == "cpu" and (server_args.speculative_algorithm or "").upper() == ALGORITHM:
+        install_bastion_stand_ins()
+
+
+class TorchvisionUnavailable:
+    """What every name of the torchvision placeholder is: using it raises ImportError."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ImportError("torchvision is not installed; this SGLang path needs it (pip install torchvision)")
+
+
+def _placeholder_module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__path__ = []
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+    module.__getattr__ = lambda attr: TorchvisionUnavailable  # PEP 562: any other name
+    return module
+
+
+def install_torchvision_placeholder() -> None:
+    """Register placeholders for `torchvision`, `.transforms`, `.transforms.functional` if it is absent."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+    package = _placeholder_module("torchvision")
+    transforms = _placeholder_module("torchvision.transforms")
+    functional = _placeholder_module("torchvision.transforms.functional")
+    package.transforms = transforms
+    transforms.functional = functional
+    for module in (package, transforms, functional):
+        sys.modules[module.__name__] = module
+
+
+def install_vllm_placeholder() -> None:
+    """Register an empty `vllm._custom_ops` whose functions raise, unless a real vllm is importable."""
+    if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        return
+    package = types.ModuleType("vllm")
+    package.__path__ = []
+    ops = types.ModuleType("vllm._custom_ops")
+
+    def unavailable(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("vllm._custom_ops is a placeholder on CPU; SGLang runs forward_native here")
+
+    for name in ("rotary_embedding", "rms_norm", "fused_add_rms_norm"):
+        setattr(ops, name, unavailable)
+    package._custom_ops = ops
+    sys.modules["vllm"] = package
+    sys.modules["vllm._custom_ops"] = ops
+
+
+def install_bastion_stand_ins() -> None:
+    """Register the torch stand-ins with SGLang's HookRegistry and apply them (idempotent)."""
+    from sglang.srt.arg_groups.choices import (
+        DRAFT_ATTENTION_BACKEND_CHOICES,
+        add_draft_attention_backend_choices,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if CPU_BACKEND not in DRAFT_ATTENTION_BACKEND_CHOICES:
+        add_draft_attention_backend_choices([CPU_BACKEND])
+    hooks: tuple[tuple[str, Callable[..., Any], HookType], ...] = (
+        (
+            "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+            forward_extend_with_verify,
+            HookType.AROUND,
+        ),
+        (
+            "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
+            assign_req_to_token_pool_torch,
+            HookType.REPLACE,
+        ),
+        (
+            "sglang.kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func",
+            copy_all_layer_kv_cache_host,
+            HookType.REPLACE,
+        ),
+        (
+            "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
+            extend_forward_kwargs_in_model_dtype,
+            HookType.AROUND,
+        ),
+    )
+    for target, hook, kind in hooks:
+        if target not in HookRegistry._patched:
+            HookRegistry.register(target, hook, kind)
+    HookRegistry.apply_hooks()
+    missing = [target for target, _, _ in hooks if target not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(f"BASTION could not install its CPU stand-ins for {missing}; see the log above")
+
+
+# ---- stand-ins -------------------------------------------------------------------------------------
+
+
+def assign_req_to_token_pool_torch(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    batch_size: int,
+) -> None:
+    """Stands in for `sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func` (Triton).
+
+    req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]] = the next (end - start) entries of
+    out_cache_loc, requests in order. All index tensors [batch_size] on the host (CPU run).
+    """
+    rows = req_pool_indices[:batch_size].tolist()
+    starts = start_offset[:batch_size].tolist()
+    ends = end_offset[:batch_size].tolist()
+    offset = 0
+    for row, start, end in zip(rows, starts, ends, strict=True):
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start].to(req_to_token.dtype)
+        offset += end - start
+
+
+def copy_all_layer_kv_cache_host(
+    data_ptrs: torch.Tensor,
+    strides: torch.Tensor,
+    tgt_loc: torch.Tensor,
+    src_loc: torch.Tensor,
+    num_locs: int,
+    num_locs_upper: int | None = None,
+    kv_copy_config: dict | None = None,
+) -> None:
+    """Stands in for `sglang.kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func` (Triton).
+
+    data_ptrs: [buffers] int64 host addresses of the per-layer K/V buffers; strides: [buffers] bytes per
+    slot row. For each buffer, row src_loc[i] is copied over row tgt_loc[i], i < num_locs (host memory).
+    num_locs_upper / kv_copy_config only shape the Triton launch.
+    """
+    pairs = [
+        (tgt, src)
+        for tgt, src in zip(tgt_loc[:num_locs].tolist(), src_loc[:num_locs].tolist(), strict=True)
+        if tgt != src
+    ]
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
+        for tgt, src in pairs:
+            ctypes.memmove(base + tgt * stride, base + src * stride, stride)
+
+
+def extend_forward_kwargs_in_model_dtype(
+    original: Callable[..., dict], runner: Any, forward_batch: ForwardBatch, pp_proxy_tensors: Any
+) -> dict:
+    """AROUND `ModelRunner._extend_forward_kwargs`: `input_embeds` in the model's dtype, not bfloat16."""
+    kwargs = original(runner, forward_batch, pp_proxy_tensors)
+    if forward_batch.input_embeds is not None and "input_embeds" in kwargs:
+        kwargs["input_embeds"] = forward_batch.input_embeds.to(runner.model_config.dtype)
+    return kwargs
+
+
+def forward_extend_with_verify(
+    original: Callable[..., torch.Tensor],
+    backend: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: RadixAttention,
+    forward_batch: ForwardBatch,
+    save_kv_cache: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """AROUND `TorchNativeAttnBackend.forward_extend`: TARGET_VERIFY forwards go to `verify_attention`."""
+    if forward_batch.forward_mode.is_target_verify():
+        return verify_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+def verify_attention(
+    backend: Any,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    layer: RadixAttention,
+    forward_batch: ForwardBatch,
+    save_kv_cache: bool,
+) -> torch.Tensor:
+    """TARGET_VERIFY attention on the torch_native backend: n tokens per request after a cached prefix.
+
+    q: [B·n, Hq·Dh]; k, v: [B·n, Hkv·Dh] (written to the KV cache at out_cache_loc first). Request b's
+    keys are req_to_token[r_b, : L_b + n] with L_b = forward_batch.seq_lens[b] (the committed prefix).
+    Mask per request, [n, L_b + n]: the block of spec_info.custom_mask when present (triton layout,
+    see `kernels.flat_custom_mask`); else all True for non-causal layers (the DFlash drafter's block);
+    else the prefix plus a lower triangle. Returns [B·n, Hq·Dv].
+    """
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        raise NotImplementedError(
+            f"layer {layer.layer_id} uses a sliding window, which the CPU verify path does not implement"
+        )
+    if save_kv_cache and k is not None and v is not None:
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+        )
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    spec_info = forward_batch.spec_info
+    batch = int(forward_batch.req_pool_indices.shape[0])
+    per_request = int(spec_info.num_tokens_per_req) if spec_info is not None else -1
+    if per_request <= 0:
+        per_request = q.shape[0] // batch
+    causal = not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY)
+    custom_mask = spec_info.custom_mask if spec_info is not None else None
+
+    queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    out = q.new_empty((queries.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    mask_offset = 0
+    prefixes = forward_batch.seq_lens.tolist()  # host copy: CPU tensors, no device sync
+    rows = forward_batch.req_pool_indices.tolist()
+    for b, (prefix, row) in enumerate(zip(prefixes, rows, strict=True)):
+        keys_len = prefix + per_request
+        slots = req_to_token[row, :keys_len]
+        if custom_mask is not None:
+            size = per_request * keys_len
+            mask = custom_mask[mask_offset : mask_offset + size].view(per_request, keys_len).to(torch.bool)
+            mask_offset += size
+        else:
+            mask = torch.ones((per_request, keys_len), dtype=torch.bool, device=q.device)
+            if causal:
+                mask[:, prefix:] = torch.ones(
+                    (per_request, per_request), dtype=torch.bool, device=q.device
+                ).tril()
+        tokens = slice(b * per_request, (b + 1) * per_request)
+        out[tokens] = tree_attention(queries[tokens], k_cache[slots], v_cache[slots], mask, layer.scaling)
+    return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)

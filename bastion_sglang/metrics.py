@@ -1,0 +1,203 @@
+"""BASTION's measurements: stage timings of each decode step and the Prometheus series built on them.
+
+Stages, in order (`STAGES`): draft (drafter forward + top-k), plan (tree search + budget), verify (the
+target's TARGET_VERIFY forward), accept (accept walk + output tokens), commit (slot compaction + drafter
+KV). `StageTimer` measures them with host clocks on CPU and with CUDA events on a GPU; CUDA results are
+read one step late (`finish_step` returns the previous step's times), so timing never waits on the device.
+The verify stage feeds the latency model's EMA; draft and the host stages feed the planner's step costs.
+
+`BastionMetrics` (only with `--enable-metrics`, on the scheduler's stats rank) exports, with SGLang's
+scheduler labels, on the same `/metrics` as SGLang:
+- sglang:bastion_tree_nodes (histogram): draft nodes verified per request per step;
+- sglang:bastion_expected_accept_length (histogram): Â of the verified tree per request per step;
+- sglang:bastion_accept_length (histogram): tokens committed per request per step;
+- sglang:bastion_verify_seconds_estimated / _observed (histograms): per verify pass;
+- sglang:bastion_latency_ema_factor (gauge, most recent): the latency model's online correction;
+- sglang:bastion_uncalibrated_steps_total (counter): steps planned without a calibration profile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STAGES = ("draft", "plan", "verify", "accept", "commit")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall seconds of each stage of one decode step."""
+
+    draft: float
+    plan: float
+    verify: float
+    accept: float
+    commit: float
+
+    @property
+    def aux(self) -> float:
+        """Host-side work outside the two forwards (BASTION's T_aux), seconds."""
+        return self.plan + self.accept + self.commit
+
+
+class StageTimer:
+    """Times the STAGES of each step on `device`: `with timer.stage("verify"): ...`, `finish_step(tag)`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host: dict[str, float] = {}
+        self._events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self._pending: tuple[Any, dict[str, tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as stage `name` (one of STAGES)."""
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; stages: {STAGES}")
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events[name] = (start, end)
+        else:
+            begin = time.perf_counter()
+            yield
+            self._host[name] = time.perf_counter() - begin
+
+    def finish_step(self, tag: Any) -> tuple[Any, StepTimes] | None:
+        """Close the step, labelled `tag`; return (tag, times) of the last step whose times are known.
+
+        CPU: this step. CUDA: the previous step (None after the first); its end events completed a step
+        ago, so reading them does not stall the device.
+        """
+        if not self._cuda:
+            times = StepTimes(**{name: self._host.get(name, 0.0) for name in STAGES})
+            self._host = {}
+            return tag, times
+        previous, self._pending, self._events = self._pending, (tag, self._events), {}
+        if previous is None:
+            return None
+        done_tag, done = previous
+        seconds = {}
+        for name in STAGES:
+            if name in done:
+                start, end = done[name]
+                end.synchronize()  # recorded a full step ago: already complete
+                seconds[name] = start.elapsed_time(end) / 1000.0
+            else:
+                seconds[name] = 0.0
+        return done_tag, StepTimes(**seconds)
+
+
+TREE_NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def scheduler_metric_labels() -> dict[str, str]:
+    """The labels SGLang's scheduler collector puts on its series (`SchedulerMetricsCollector.init_new`)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_serving
+
+    parallel = get_parallel()
+    engine_type = (
+        "dynamic"
+        if get_disagg().enable_pd_role_switch
+        else DisaggregationMode.to_engine_type(get_disagg().disaggregation_mode)
+    )
+    labels = {
+        "model_name": get_serving().served_model_name,
+        "engine_type": engine_type,
+        "tp_rank": parallel.tp_rank,
+        "pp_rank": parallel.pp_rank,
+        "moe_ep_rank": parallel.moe_ep_rank,
+    }
+    if parallel.dp_rank is not None:
+        labels["dp_rank"] = parallel.dp_rank
+    if get_observability().extra_metric_labels:
+        labels.update(get_observability().extra_metric_labels)
+    return {key: str(value) for key, value in labels.items()}
+
+
+class BastionMetrics:
+    """BASTION's Prometheus series, exported on SGLang's `/metrics` (prefix `sglang:bastion_`).
+
+    Created in the scheduler process after SGLang has set the multiprocess directory, so the series join
+    SGLang's own. Per request per step: verified tree nodes, expected accepted length Â (tokens, bonus
+    included), realised accepted length (tokens). Per step: estimated and observed verify seconds, steps
+    planned without a calibrated profile. The EMA factor of the latency model is a gauge (most recent).
+    """
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        names = list(labels)
+        self._labels = labels
+        self.tree_nodes = Histogram(
+            "sglang:bastion_tree_nodes",
+            "Draft nodes verified per request per step (root excluded).",
+            names,
+            buckets=TREE_NODE_BUCKETS,
+        )
+        self.expected_accept = Histogram(
+            "sglang:bastion_expected_accept_length",
+            "Expected tokens committed per request per step, A-hat of the verified tree (bonus included).",
+            names,
+            buckets=ACCEPT_BUCKETS,
+        )
+        self.accept_length = Histogram(
+            "sglang:bastion_accept_length",
+            "Tokens committed per request per step (accepted draft nodes + the bonus token).",
+            names,
+            buckets=ACCEPT_BUCKETS,
+        )
+        self.verify_estimated = Histogram(
+            "sglang:bastion_verify_seconds_estimated",
+            "Verify-pass latency the latency model predicted for the planned tree sizes, seconds.",
+            names,
+            buckets=SECONDS_BUCKETS,
+        )
+        self.verify_observed = Histogram(
+            "sglang:bastion_verify_seconds_observed",
+            "Measured verify-pass latency, seconds.",
+            names,
+            buckets=SECONDS_BUCKETS,
+        )
+        self.ema_factor = Gauge(
+            "sglang:bastion_latency_ema_factor",
+            "Online correction factor of the latency model (observed / predicted, EMA).",
+            names,
+            multiprocess_mode="mostrecent",
+        )
+        self.uncalibrated_steps = Counter(
+            "sglang:bastion_uncalibrated_steps",
+            "Decode steps planned without a calibrated latency profile.",
+            names,
+        )
+
+    def observe_plan(
+        self, node_counts: Sequence[int], expected_accept: Sequence[float], calibrated: bool
+    ) -> None:
+        """One planned step: nodes and Â per request; whether the latency model had a profile."""
+        for nodes, accept in zip(node_counts, expected_accept, strict=True):
+            self.tree_nodes.labels(**self._labels).observe(nodes)
+            self.expected_accept.labels(**self._labels).observe(accept)
+        if not calibrated:
+            self.uncalibrated_steps.labels(**self._labels).inc()
+
+    def observe_verify(self, estimated_seconds: float, observed_seconds: float, ema_factor: float) -> None:
+        """One verify pass: the model's estimate, the measurement, the EMA factor after observing it."""
+        self.verify_estimated.labels(**self._labels).observe(estimated_seconds)
+        self.verify_observed.labels(**self._labels).observe(observed_seconds)
+        self.ema_factor.labels(**self._labels).set(ema_factor)
+
+    def observe_accepted(self, accepted_drafts: Sequence[int]) -> None:
+        """Accepted draft nodes per request of one step (host list); records tokens = accepted + 1."""
+        for accepted in accepted_drafts:
+            self.accept_length.labels(**self._labels).observe(accepted + 1)

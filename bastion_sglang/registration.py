@@ -1,0 +1,428 @@
+"""BASTION inside stock SGLang 0.5.23: the algorithm spec, its server-argument handling, its CLI flags.
+
+How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
+- `SpeculativeAlgorithm.register("BASTION", spec_class=BastionSpecAlgo)` makes `--speculative-algorithm
+  BASTION` resolve; the factory returns `bastion_sglang.worker.BastionWorker` (imported only then).
+- `HookRegistry` hooks add the `--bastion-*` flags to `ServerArgs.add_cli_args` and, in
+  `ServerArgs.from_cli_args`, turn them into a validated `BastionConfig` stored on the ServerArgs record
+  (attribute `_bastion_config`). The record is pickled into every scheduler process with its bookkeeping
+  attributes, so the worker reads the same object. Python callers attach one with `attach_config`.
+- `bastion_sglang.cpu_support`: on a CPU-only torch build, what SGLang needs to import and run there
+  (at registration), and a hook on `Scheduler.__init__` that adds BASTION's CPU stand-ins.
+
+This module is the only place where SGLang server arguments are mapped to `BastionConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from bastion_sglang.config import (
+    DEFAULT_EMA_ALPHA,
+    DEFAULT_MAX_BUDGET,
+    DEFAULT_TOPK,
+    BastionConfig,
+    default_width_buckets,
+)
+from bastion_sglang.controller import BudgetPolicy, parse_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "BASTION"
+CONFIG_ATTR = "_bastion_config"
+"""Bookkeeping attribute of a ServerArgs record holding its BastionConfig (pickled along with the record)."""
+
+MAX_BUDGET_LIMIT = 1024
+"""Largest N_max accepted: the largest budget the BASTION paper sweeps. On CUDA the target's verify mask
+buffer (FULL_MASK layout) holds max_batch x W x (context + W) booleans, so wider trees cost memory on
+every captured batch size; beyond 1024 nodes the expected accepted length of a 16-token block is flat."""
+
+CUDA_TREE_MASK_BACKENDS = ("triton", "flashinfer")
+"""Attention backends whose TARGET_VERIFY path reads an arbitrary per-request custom mask on CUDA."""
+CPU_BACKEND = "torch_native"
+"""The only backend BASTION runs on CPU (its TARGET_VERIFY tree branch comes from `cpu_support`)."""
+
+
+@dataclass(frozen=True)
+class _Flag:
+    """One `--bastion-*` command-line flag (argparse destination `dest`)."""
+
+    flag: str
+    dest: str
+    type: Callable[[str], Any]
+    metavar: str
+    help: str
+
+
+def _width_list(text: str) -> tuple[int, ...]:
+    """'16,32,64' -> (16, 32, 64); argparse turns the ValueError into a usage error."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+
+
+FLAGS: tuple[_Flag, ...] = (
+    _Flag(
+        "--bastion-max-budget",
+        "bastion_max_budget",
+        int,
+        "N",
+        f"BASTION: most draft nodes per request per step (N_max, 1..{MAX_BUDGET_LIMIT}); verify width cap "
+        f"is N_max + 1. Default {DEFAULT_MAX_BUDGET}.",
+    ),
+    _Flag(
+        "--bastion-policy",
+        "bastion_policy",
+        str,
+        "POLICY",
+        "BASTION: tree-size policy. adaptive (default): grow the best-first tree while the estimated speedup "
+        "rises; bucketed: fill the best verify-width bucket; fixed:N: always N nodes; chain: the drafter's "
+        "top-1 token at every depth (DFlash's verification).",
+    ),
+    _Flag(
+        "--bastion-profile",
+        "bastion_profile",
+        str,
+        "auto|PATH",
+        "BASTION: latency profile. auto (default): an uncalibrated roofline of the target corrected online; "
+        "PATH: a JSON profile written by `bastion calibrate`.",
+    ),
+    _Flag(
+        "--bastion-ema-alpha",
+        "bastion_ema_alpha",
+        float,
+        "ALPHA",
+        f"BASTION: weight of the newest observed/predicted verify latency in the EMA, in (0, 1]. "
+        f"Default {DEFAULT_EMA_ALPHA}.",
+    ),
+    _Flag(
+        "--bastion-width-buckets",
+        "bastion_width_buckets",
+        _width_list,
+        "W1,W2,...",
+        "BASTION: verify widths (tokens per request, root included) for the bucketed policy and CUDA graphs, "
+        "sorted, each in [2, N_max + 1]. Default: powers of two below N_max + 1, then N_max + 1.",
+    ),
+    _Flag(
+        "--bastion-topk",
+        "bastion_topk",
+        int,
+        "K",
+        f"BASTION: candidates per draft position the tree may branch into (1..N_max); default {DEFAULT_TOPK}",
+    ),
+)
+
+
+def make_config(
+    *,
+    max_budget: int | None = None,
+    policy: str | None = None,
+    profile: str | None = None,
+    ema_alpha: float | None = None,
+    width_buckets: tuple[int, ...] | None = None,
+    topk: int | None = None,
+) -> BastionConfig:
+    """BastionConfig from the command-line spellings (None: the default). ValueError names a bad value.
+
+    policy: adaptive | bucketed | fixed:N | chain. profile: "auto" or a path to a calibration profile.
+    """
+    budget = DEFAULT_MAX_BUDGET if max_budget is None else max_budget
+    if isinstance(budget, int) and budget > MAX_BUDGET_LIMIT:
+        raise ValueError(
+            f"--bastion-max-budget {budget} exceeds the limit {MAX_BUDGET_LIMIT} "
+            f"(verify width {budget + 1} per request)"
+        )
+    buckets = (
+        default_width_buckets(budget) if width_buckets is None and isinstance(budget, int) else width_buckets
+    )
+    parsed: BudgetPolicy | None = parse_policy(policy or "adaptive", width_buckets=buckets)
+    if parsed is None:
+        raise ValueError(
+            f"--bastion-policy {policy!r} disables drafting; run without --speculative-algorithm instead"
+        )
+    profile_path = None if profile is None or profile.strip().lower() == "auto" else Path(profile)
+    return BastionConfig(
+        max_budget=budget,
+        policy=parsed,
+        profile_path=profile_path,
+        ema_alpha=DEFAULT_EMA_ALPHA if ema_alpha is None else ema_alpha,
+        width_buckets=buckets if buckets is not None else (),
+        topk=DEFAULT_TOPK if topk is None else topk,
+    )
+
+
+def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
+    """The BastionConfig the `--bastion-*` flags ask for, or None when none was given."""
+    given = {f.dest: getattr(args, f.dest, None) for f in FLAGS}
+    if all(value is None for value in given.values()):
+        return None
+    return make_config(
+        max_budget=given["bastion_max_budget"],
+        policy=given["bastion_policy"],
+        profile=given["bastion_profile"],
+        ema_alpha=given["bastion_ema_alpha"],
+        width_buckets=given["bastion_width_buckets"],
+        topk=given["bastion_topk"],
+    )
+
+
+def attach_config(server_args: Any, config: BastionConfig) -> None:
+    """Give a ServerArgs record its BastionConfig (for `sglang.Engine(server_args=...)` callers)."""
+    if not isinstance(config, BastionConfig):
+        raise TypeError(f"expected a BastionConfig, got {type(config).__name__}")
+    setattr(server_args, CONFIG_ATTR, config)
+
+
+def config_of(server_args: Any) -> BastionConfig:
+    """The record's BastionConfig, or the default one when none was attached. Reads through SGLang's views."""
+    config = getattr(server_args, CONFIG_ATTR, None)
+    return BastionConfig() if config is None else config
+
+
+# ---- CLI hooks (HookRegistry) ------------------------------------------------------------------
+
+
+def _add_bastion_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
+    """AFTER hook of `ServerArgs.add_cli_args(parser)`: append the `--bastion-*` group."""
+    group = parser.add_argument_group("BASTION speculative decoding (--speculative-algorithm BASTION)")
+    for flag in FLAGS:
+        group.add_argument(
+            flag.flag, dest=flag.dest, type=flag.type, default=None, metavar=flag.metavar, help=flag.help
+        )
+
+
+def _from_cli_args_with_bastion(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
+    """AROUND hook of `ServerArgs.from_cli_args(args)`: build the record, then attach the BastionConfig."""
+    server_args = original(cls, args)
+    config = config_from_namespace(args)
+    if config is None:
+        return server_args
+    algorithm = (getattr(args, "speculative_algorithm", None) or "").upper()
+    if algorithm != ALGORITHM:
+        given = sorted(f.flag for f in FLAGS if getattr(args, f.dest, None) is not None)
+        raise ValueError(
+            f"{', '.join(given)} need --speculative-algorithm {ALGORITHM}, got {algorithm or 'none'}"
+        )
+    attach_config(server_args, config)
+    return server_args
+
+
+def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of `Scheduler.__init__(self, server_args, ...)`: CPU support in the scheduler process.
+
+    Returns None, so the arguments pass through unchanged.
+    """
+    from bastion_sglang import cpu_support
+
+    cpu_support.prepare_scheduler_process(server_args)
+
+
+# ---- the algorithm ---------------------------------------------------------------------------------
+
+
+class BastionSpecAlgo(CustomSpecAlgo):
+    """BASTION as SGLang sees it: a member of the DFlash family with its own worker and server-arg handling.
+
+    Claiming `is_dflash_family()` gives BASTION what DFlash gets from SGLang: the target captures the hidden
+    states of the drafter's `target_layer_ids` (`spec_aux_hidden_state`), the draft model gets its own KV pool
+    over the target's slot ids, the DFlash model-loading path is used for the drafter, and decode allocation
+    goes through the draft input's `prepare_for_decode`. `is_dflash()` stays False: the DFLASH-only branches
+    (its worker, its server-arg handler, its disaggregation input and sampling-mask rules) are not BASTION's.
+    Every method of the `SpeculativeAlgorithm` enum is defined here (0.5.23's CustomSpecAlgo misses some).
+    """
+
+    def is_dflash_family(self) -> bool:
+        return True
+
+    def supports_target_verify_for_draft(self) -> bool:
+        return True
+
+    def supports_prefill_shared_read_done(self) -> bool:
+        return True
+
+    def has_draft_kv(self) -> bool:
+        return True
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def get_platform_worker_cls(self) -> type | None:
+        return None
+
+    def create_future_map(
+        self,
+        device: torch.device,
+        req_to_token_pool: ReqToTokenPool,
+        needs_cpu_seq_lens: bool = True,
+        needs_confidence_relay: bool = False,
+    ) -> FutureMap:
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
+        """Target verify: the width cap N_max + 1. The drafter's TARGET_VERIFY forward: its block size."""
+        if not is_draft_worker:
+            return num_draft_tokens
+        from sglang.srt.runtime_context import get_spec
+
+        return int(get_spec().speculative_dflash_block_size)
+
+    def handle_server_args(self, server_args: Any) -> None:
+        handle_server_args(server_args)
+
+
+def handle_server_args(server_args: Any) -> None:
+    """Resolve the server arguments for BASTION; raise ValueError naming the value and the fix.
+
+    Does what SGLang's `_handle_dflash` does (steps 1, topk 1, the drafter's block size, the draft
+    attention backend, 48 running requests by default) without its device check, and BASTION's own:
+    draft-token count = verify width cap N_max + 1, overlap scheduling and mixed chunks off, page size 1,
+    one TP rank, the drafter must fit the target, the backend must read a custom tree mask, the latency
+    profile must load. `server_args` is SGLang's recording stand-in: assignments become declarations.
+    """
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    from bastion_sglang.controller.profile import load_profile
+    from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits
+
+    config = config_of(server_args)
+    cfg = server_args
+    if cfg.speculative_draft_model_path is None:
+        raise ValueError(f"{ALGORITHM} needs a DFlash drafter: pass --speculative-draft-model-path")
+    _check_parallelism(cfg)
+    _check_device_and_backend(cfg)
+
+    draft_hf_config = get_config(
+        cfg.speculative_draft_model_path,
+        trust_remote_code=cfg.trust_remote_code,
+        revision=cfg.speculative_draft_model_revision,
+    )
+    target_hf_config = model_config_of(server_args).hf_config
+    drafter = DrafterConfig.from_json(
+        draft_hf_config.to_dict(), target_num_layers=int(target_hf_config.num_hidden_layers)
+    )
+    check_drafter_fits(drafter, target_hf_config.to_dict())
+
+    width_cap = config.verify_width_cap
+    context_len = int(model_config_of(server_args).context_len)
+    if width_cap * 2 > context_len:
+        raise ValueError(
+            f"--bastion-max-budget {config.max_budget} gives verify width {width_cap}, more than half the "
+            f"context length {context_len}; use at most {context_len // 2 - 1}"
+        )
+    vocab_size = int(target_hf_config.vocab_size)
+    if config.topk > vocab_size:
+        raise ValueError(f"--bastion-topk {config.topk} exceeds the target vocabulary ({vocab_size})")
+    if cfg.speculative_num_draft_tokens is not None and int(cfg.speculative_num_draft_tokens) != width_cap:
+        raise ValueError(
+            f"{ALGORITHM} sets --speculative-num-draft-tokens to the verify width N_max + 1 = {width_cap}, "
+            f"got {cfg.speculative_num_draft_tokens}. Drop it, or pass "
+            f"--bastion-max-budget {int(cfg.speculative_num_draft_tokens) - 1}"
+        )
+    block_size = (
+        drafter.block_size if cfg.speculative_dflash_block_size is None else cfg.speculative_dflash_block_size
+    )
+    if int(block_size) < 2:
+        raise ValueError(f"the drafter's block size must be >= 2 (bonus + one mask), got {block_size}")
+    if config.profile_path is not None:
+        load_profile(config.profile_path)  # ProfileError names the file
+
+    cfg.speculative_num_steps = 1
+    cfg.speculative_eagle_topk = 1
+    cfg.speculative_num_draft_tokens = width_cap
+    cfg.speculative_dflash_block_size = int(block_size)
+    if cfg.speculative_draft_attention_backend is None:
+        cfg.speculative_draft_attention_backend = cfg.attention_backend
+    if cfg.max_running_requests is None:
+        cfg.max_running_requests = 48
+    if not cfg.disable_overlap_schedule:
+        cfg.disable_overlap_schedule = True
+        logger.warning("%s runs without overlap scheduling; --disable-overlap-schedule is now on.", ALGORITHM)
+    if cfg.enable_mixed_chunk:
+        cfg.enable_mixed_chunk = False
+        logger.warning(
+            "%s does not support mixed chunked prefill; --enable-mixed-chunk is now off.", ALGORITHM
+        )
+
+
+def _check_parallelism(cfg: Any) -> None:
+    """One scheduler, one TP rank, page size 1 (accepted nodes are moved by permuting slot ids)."""
+    for name, flag in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size")):
+        value = getattr(cfg, name)
+        if value is not None and int(value) != 1:
+            raise ValueError(f"{ALGORITHM} supports {flag} 1 only, got {value}")
+    page_size = cfg.page_size
+    if page_size is not None and int(page_size) != 1:
+        raise ValueError(
+            f"{ALGORITHM} needs --page-size 1 (tree nodes are compacted per slot), got {page_size}"
+        )
+
+
+def _check_device_and_backend(cfg: Any) -> None:
+    """CPU: torch_native only. CUDA: a backend that reads a per-request custom mask. Nothing else."""
+    device = str(cfg.device or "")
+    backends = {cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend} - {None}
+    if device == "cpu":
+        bad = sorted(backends - {CPU_BACKEND})
+        if bad or not backends:
+            raise ValueError(
+                f"{ALGORITHM} on --device cpu needs --attention-backend {CPU_BACKEND}, got {bad or 'none'}"
+            )
+        return
+    if device.startswith("cuda"):
+        bad = sorted(backends - set(CUDA_TREE_MASK_BACKENDS))
+        if bad or not backends:
+            raise ValueError(
+                f"{ALGORITHM} on CUDA needs an attention backend with custom tree masks "
+                f"({', '.join(CUDA_TREE_MASK_BACKENDS)}), got {bad or 'none'}"
+            )
+        return
+    raise ValueError(f"{ALGORITHM} runs on --device cuda or cpu, got {device or 'none'}")
+
+
+def register_algorithm() -> None:
+    """Register BASTION, its CLI flags and its scheduler-process hook (idempotent within a process)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(ALGORITHM) is not None:
+        return
+    from bastion_sglang import cpu_support
+
+    cpu_support.prepare_cpu_torch_build()
+
+    @SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=False, spec_class=BastionSpecAlgo)
+    def _worker_class(server_args: Any) -> type:
+        from bastion_sglang.worker import BastionWorker
+
+        return BastionWorker
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_bastion_cli_args, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args_with_bastion, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_init_hook, HookType.BEFORE
+    )

@@ -1,0 +1,204 @@
+"""BASTION's SpecInput records: the per-request state SGLang carries between steps, and one verify pass.
+
+Terms. A request's *prefix* is the number of its tokens whose KV is in the cache (`seq_lens`). The
+*bonus* token is the last committed token; its KV is not written yet, so it is the root of the next draft
+tree and sits at position `prefix`. A verify pass holds W tokens per request (the root plus W - 1 draft
+nodes, `kernels.TreeBatch` order) at slots `req_to_token[r, prefix : prefix + W]`.
+
+SGLang drives these through its spec-v2 scheduler with overlap off: `BastionDraftInput.prepare_for_decode`
+reserves KV slots before each decode step, `filter_batch` / `merge_batch` follow the batch when requests
+finish or join. `BastionVerifyInput` is what the target's TARGET_VERIFY forward reads (tokens, positions,
+the flat ancestor mask, the width W).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
+from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind, KVLocPlan
+
+
+@dataclass
+class BastionDraftInput(SpecInput):
+    """Per-request state between decode steps, one row per request of the running batch.
+
+    `reserve` is the KV headroom each decode step keeps allocated beyond the committed prefix: twice the
+    larger of the verify width cap and the drafter block, so a step's draft block and verify window always
+    find their slots (`prepare_for_decode`). Sampling generators are per request so a seeded request draws
+    the same uniforms whatever batch it shares.
+    """
+
+    bonus_tokens: torch.Tensor  # [B] int64: root token of the next tree (committed, KV not written)
+    new_seq_lens: torch.Tensor  # [B] int64: committed tokens with KV after the step that made this input
+    generators: list[torch.Generator]  # [B] host RNGs for the sampling walk's uniforms
+    reserve: int  # KV slots kept allocated past the committed prefix, per request
+
+    def __post_init__(self) -> None:
+        super().__init__(spec_input_type=SpecInputType.DFLASH_DRAFT)
+        # A draft input does not change token accounting: one row per request.
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    @classmethod
+    def create_idle_input(cls, device: torch.device, reserve: int) -> BastionDraftInput:
+        """The empty input of an idle batch."""
+        return cls(
+            bonus_tokens=torch.empty((0,), dtype=torch.int64, device=device),
+            new_seq_lens=torch.empty((0,), dtype=torch.int64, device=device),
+            generators=[],
+            reserve=reserve,
+        )
+
+    def prepare_for_decode(self, batch: ScheduleBatch) -> None:
+        """Reserve KV slots for the next step: allocated length >= committed + `reserve` per request.
+
+        Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths (host copies, no device sync).
+        """
+        bs = batch.batch_size()
+        if bs == 0:
+            return
+        batch.maybe_evict_swa()
+        page_size = batch.token_to_kv_pool_allocator.page_size
+        cur_lens, nxt_lens, needed = page_aligned_decode_alloc_lens(
+            batch.reqs, reserve=self.reserve, page_size=page_size
+        )
+        cur_cpu = torch.tensor(cur_lens, dtype=torch.int32)
+        nxt_cpu = torch.tensor(nxt_lens, dtype=torch.int32)
+        alloc_for_spec_decode(
+            batch.tree_cache,
+            batch.req_to_token_pool,
+            reqs=batch.reqs,
+            req_pool_indices=batch.req_pool_indices,
+            cur_kv_lens=cur_cpu.to(batch.device, non_blocking=True),
+            cur_kv_lens_cpu=cur_cpu,
+            nxt_kv_lens=nxt_cpu.to(batch.device, non_blocking=True),
+            nxt_kv_lens_cpu=nxt_cpu,
+            num_needed_tokens=needed,
+            batch=batch,
+        )
+        committed = [int(req.kv.kv_committed_len) for req in batch.reqs]
+        for req in batch.reqs:
+            req.decode_batch_idx += 1
+        batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
+        batch.seq_lens_sum = sum(committed)
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: list[int] | None = None) -> None:
+        """Keep the rows `new_indices` (device) / `new_indices_cpu` (host) in that order."""
+        keep = (
+            new_indices_cpu if new_indices_cpu is not None else new_indices.tolist()
+        )  # host copy of indices
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+        self.new_seq_lens = self.new_seq_lens[new_indices]
+        self.generators = [self.generators[i] for i in keep]
+
+    def merge_batch(self, other: BastionDraftInput) -> None:
+        """Append the rows of `other` (requests joining the running batch)."""
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
+        self.generators = self.generators + other.generators
+
+    def draw_uniforms(self, width: int, device: torch.device) -> torch.Tensor:
+        """[B, width] float32 uniforms in [0, 1), row b from request b's own generator, on `device`."""
+        if not self.generators:
+            return torch.empty((0, width), dtype=torch.float32, device=device)
+        rows = [torch.rand(width, generator=g, dtype=torch.float32) for g in self.generators]
+        return torch.stack(rows).to(device, non_blocking=True)
+
+
+@dataclass
+class BastionVerifyInput(SpecInput):
+    """The target's TARGET_VERIFY forward over the flattened trees of a batch (W tokens per request).
+
+    custom_mask follows SGLang's triton-backend layout: per request a row-major [W, L_b + W] boolean
+    block (True = may attend; prefix columns all True, then the ancestor block), blocks concatenated
+    in batch order (`kernels.flat_custom_mask`).
+    """
+
+    draft_token: torch.Tensor  # [B * W] int64: verify rows' tokens, row-major (column 0 = root)
+    positions: torch.Tensor  # [B * W] int64: prefix + depth of each token
+    draft_token_num: int  # W, tokens per request
+    custom_mask: torch.Tensor | None  # [Σ_b W·(L_b + W)] bool, see above
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.FULL
+    topk: int = 1  # backends gate EAGLE's layered tree metadata on topk > 1; BASTION's mask is explicit
+
+    def __post_init__(self) -> None:
+        super().__init__(spec_input_type=SpecInputType.DFLASH_VERIFY)
+        self.num_tokens_per_req = int(self.draft_token_num)
+        self.num_tokens_for_logprob_per_req = int(self.draft_token_num)
+
+    def prepare_for_verify(
+        self, batch: ScheduleBatch, target_worker: TpModelWorker
+    ) -> tuple[ForwardBatch, bool]:
+        """Turn `batch` into the verify ForwardBatch and plan its attention (CUDA graph or eager).
+
+        The caller has set batch.out_cache_loc to the W slots per request. Returns (forward batch,
+        whether a captured CUDA graph runs it).
+        """
+        batch.input_ids = self.draft_token
+        batch.spec_info = self
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        forward_batch = ForwardBatch.init_new(
+            batch,
+            target_worker.model_runner,
+            capture_hidden_mode=self.capture_hidden_mode,
+            return_hidden_states_before_norm=False,
+        )
+        runner = target_worker.model_runner.decode_cuda_graph_runner
+        can_run_cuda_graph = bool(runner and runner.can_run_graph(forward_batch))
+        if can_run_cuda_graph:
+            runner.load_batch(forward_batch)
+        else:
+            target_worker.model_runner.attn_backend.init_forward_metadata(forward_batch)
+        forward_batch.mark_forward_metadata_ready()
+        return forward_batch, can_run_cuda_graph
+
+    def generate_attn_arg_prefill(
+        self,
+        *,
+        req_pool_indices: torch.Tensor,
+        paged_kernel_lens: torch.Tensor,
+        paged_kernel_lens_sum: int,
+        translator: KVIndexTranslator,
+        plan: KVLocPlan,
+        kind: IdSpaceKind,
+        kv_start_idx: torch.Tensor | None = None,
+        kv_indices_buf: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """CSR arguments of a paged prefill kernel (flashinfer) for this verify pass.
+
+        paged_kernel_lens: [B] prefix lengths (the W verify tokens are added here). Returns (kv_indices
+        [Σ(L_b + W)], kv_indptr [B + 1], qo_indptr [B + 1] int32, custom_mask as built by the worker).
+        """
+        device = req_pool_indices.device
+        bs = req_pool_indices.numel()
+        width = self.draft_token_num
+        qo_indptr = torch.arange(0, (bs + 1) * width, step=width, dtype=torch.int32, device=device)
+        kv_lens = paged_kernel_lens + width
+        kv_indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=device)
+        kv_indptr[1:] = torch.cumsum(kv_lens, dim=0)
+        kv_indices = (
+            kv_indices_buf
+            if kv_indices_buf is not None
+            else torch.empty(paged_kernel_lens_sum + width * bs, dtype=torch.int32, device=device)
+        )
+        translator.pack_read_stream(
+            plan,
+            req_pool_indices=req_pool_indices,
+            seq_lens=kv_lens,
+            indptr=kv_indptr,
+            out=kv_indices,
+            kv_start_idx=kv_start_idx,
+            kind=kind,
+        )
+        return kv_indices, kv_indptr, qo_indptr, self.custom_mask

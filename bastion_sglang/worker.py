@@ -1,0 +1,476 @@
+"""BASTION's SGLang worker: DFlash drafting, best-first trees, one tree-masked verify pass per step.
+
+One decode step for a batch of B requests (each with prefix L_b and root = its bonus token):
+1. draft: the DFlash drafter runs on [root, MASK x (γ-1)] at positions L_b..L_b+γ-1 (SGLang's DFlash
+   draft path); the target's LM head turns positions 1..γ-1 into logits [B, γ-1, V];
+   `kernels.topk_logprobs` keeps K candidates per position.
+2. plan: `controller.build_trees` (best-first, N_max nodes), `controller.plan_batch` (one width W for the
+   batch), `kernels.flatten_trees` / `build_verify_layout` / `flat_custom_mask`.
+3. verify: the target's TARGET_VERIFY forward over the B x W tokens, slots req_to_token[r, L : L + W].
+4. accept: structured-output requests first mask each node's logits by their grammar along the node's
+   path (SGLang's `GrammarTree` over the first-child / next-sibling links). T = 0: `kernels.accept_greedy`;
+   otherwise `kernels.accept_sampling` on the target's processed distribution (temperature, top-k, top-p,
+   min-p exactly as SGLang's sampler filters them) with per-request uniforms. Emitted: the accepted
+   nodes' tokens, then the bonus (a target sample).
+5. commit: the accepted nodes' slots are moved to the front of the window by permuting the request's
+   slot ids (no KV is copied; the rejected slots stay in the request's reserve), the accepted positions'
+   target hidden states become drafter KV, and the latency model observes the measured verify seconds.
+
+Everything DFlash-specific that is not BASTION's (loading the drafter, its KV pool, the prefill path that
+fills the drafter KV from the prompt) is inherited from SGLang's `DFlashWorkerV2`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+from sglang.srt.runtime_context import get_observability, get_parallel, get_schedule, get_spec
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
+
+from bastion_sglang import kernels
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.controller import plan_batch
+from bastion_sglang.controller.batched import build_trees_unchecked
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import StepCosts, load_profile
+from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.metrics import BastionMetrics, StageTimer, StepTimes, scheduler_metric_labels
+from bastion_sglang.registration import config_of
+from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
+"""Roofline peaks assumed on a CPU: 100 GFLOP/s and 20 GB/s, the order of a small x86 server under
+PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
+
+COST_EMA_ALPHA = 0.1
+"""Weight of the newest step in the running means of drafter and host seconds (uncalibrated costs)."""
+
+
+class DraftProposer(Protocol):
+    """Rewrites the drafter's logits before the tree search (`BastionConfig.draft_proposer`)."""
+
+    def __call__(self, reqs: Sequence[Req], draft_logits: torch.Tensor) -> torch.Tensor:
+        """reqs: the batch's B requests; draft_logits: [B, D, V]. Returns [B, D, V] logits."""
+
+
+def load_draft_proposer(config: BastionConfig) -> DraftProposer | None:
+    """The configured DraftProposer (its factory called with `draft_proposer_arg`), or None."""
+    if config.draft_proposer is None:
+        return None
+    module_name, _, attr = config.draft_proposer.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(config.draft_proposer_arg)
+
+
+def build_latency_model(
+    config: BastionConfig, target_config: dict[str, Any], dtype: torch.dtype, device: torch.device
+) -> tuple[LatencyModel, StepCosts | None]:
+    """The verify-latency model and, from a profile, the fixed step costs (None: measured online).
+
+    profile_path set: `load_profile` (ProfileError names the file). "auto": an uncalibrated roofline of the
+    target on `device` (CPU_HARDWARE on a CPU, the datasheet of the GPU otherwise) with the EMA.
+    """
+    if config.profile_path is not None:
+        profile = load_profile(config.profile_path)
+        return profile.latency_model(config.ema_alpha), profile.step_costs
+    hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    roofline = RooflineModel(ModelShape.from_hf_config(target_config), hardware, element_bytes)
+    logger.warning(
+        "BASTION has no latency profile: planning with an uncalibrated roofline (%s) corrected online. "
+        "Measure this deployment with `bastion calibrate` and pass --bastion-profile PATH.",
+        hardware.name,
+    )
+    return LatencyModel(roofline, None, config.ema_alpha), None
+
+
+def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int) -> torch.Tensor:
+    """The distribution SGLang's sampler draws from after each verify position.
+
+    logits: [B * W, V] float (penalties and biases applied). Softmax of logits / temperature, then, on the
+    descending sort: ranks >= top_k dropped, tokens whose preceding cumulative mass exceeds top_p dropped,
+    tokens below min_p x the top probability dropped (SGLang's `top_k_top_p_min_p_sampling_from_probs_torch`).
+    Returns [B, W, V] unnormalised non-negative weights (sampling normalises).
+    """
+    rows, vocab = logits.shape
+    batch = rows // width
+
+    def per_position(values: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(values.reshape(batch, -1)[:, :1], width, dim=0)
+
+    probs = torch.softmax(logits.float() / per_position(sampling_info.temperatures), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_probs[ranks >= per_position(sampling_info.top_ks)] = 0.0
+    sorted_probs[(cumulative - sorted_probs) > per_position(sampling_info.top_ps)] = 0.0
+    if sampling_info.need_min_p_sampling:
+        threshold = sorted_probs[:, :1] * per_position(sampling_info.min_ps)
+        sorted_probs[sorted_probs < threshold] = 0.0
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return filtered.view(batch, width, vocab)
+
+
+def compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """Permutation of each verify row that puts the accepted path first, root to deepest.
+
+    accept_index: [B, W] int64 accepted positions (root first, NO_NODE padded); accept_length: [B].
+    Returns order [B, W] int64: order[b, k] = accept_index[b, k] for k <= accept_length[b], then the other
+    positions ascending. Applied to the row's slots, hidden states and logits.
+    """
+    batch, width = accept_index.shape
+    slot = torch.arange(width, device=accept_index.device).expand(batch, width)
+    on_path = slot <= accept_length[:, None]
+    keys = torch.cat([width + slot, slot.new_zeros((batch, 1))], dim=1)  # spare column for padding
+    target = torch.where(on_path, accept_index, width)
+    keys.scatter_(1, target, torch.where(on_path, slot, 0))
+    return torch.argsort(keys[:, :width], dim=1, stable=True)
+
+
+def committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: kernels.AcceptResult) -> torch.Tensor:
+    """[B, W] output row: the accepted draft tokens (depth 1..a), the bonus at column a, zeros after.
+
+    tokens: [B, W] verify-row tokens; order: `compaction_order`; accept: the accept walk's result.
+    """
+    width = tokens.shape[1]
+    path = tokens.gather(1, order)  # column k = token at depth k on the accepted path (k <= a)
+    out = torch.cat([path[:, 1:], path.new_zeros((path.shape[0], 1))], dim=1)
+    column = torch.arange(width, device=tokens.device)[None, :]
+    out = torch.where(column < accept.accept_length[:, None], out, 0)
+    return out.scatter_(1, accept.accept_length[:, None], accept.bonus_tokens[:, None])
+
+
+class BastionWorker(DFlashWorkerV2):
+    """The spec-v2 worker behind `--speculative-algorithm BASTION` (see the module docstring).
+
+    Inherits from DFlashWorkerV2: the drafter runner and its KV pool, the mask token, the prefill path.
+    Replaces: the decode step, the draft inputs it hands to the scheduler, the drafter's block size (the
+    verify width cap and the drafter block differ here), and its greedy draft sampler (BASTION needs the
+    drafter's full distribution).
+    """
+
+    def __init__(self, server_args: ServerArgs, gpu_id: int, nccl_port: int, target_worker: TpModelWorker):
+        super().__init__(
+            server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port, target_worker=target_worker
+        )
+        self.config: BastionConfig = config_of(server_args)
+        block_size = int(get_spec().speculative_dflash_block_size)  # resolved by handle_server_args
+        self.block_size = block_size
+        self.draft_model.set_block_size(block_size)
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=block_size, device=self.device
+        )
+        self._block_offsets = torch.arange(block_size, dtype=torch.int64, device=self.device)
+        max_batch = int(get_schedule().max_running_requests)
+        # [max_batch, γ] int64 drafter blocks: column 0 takes each step's roots, the rest stay MASK.
+        self._block_ids = torch.full(
+            (max_batch, block_size), int(self._mask_token_id), dtype=torch.int64, device=self.device
+        )
+        self._width_offsets = torch.arange(
+            self.config.verify_width_cap, dtype=torch.int64, device=self.device
+        )
+        self._reserve = 2 * max(block_size, self.config.verify_width_cap)
+        self._vocab_size = int(self.model_runner.model_config.vocab_size)
+        self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
+        self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
+        self.latency, self._profile_costs = build_latency_model(
+            self.config,
+            self.model_runner.model_config.hf_config.to_dict(),
+            self.model_runner.model_config.dtype,
+            torch.device(self.device),
+        )
+        self._proposer = load_draft_proposer(self.config)
+        self._timer = StageTimer(torch.device(self.device))
+        self._draft_seconds = 0.0
+        self._aux_seconds = 0.0
+        self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
+        self._metrics = (
+            BastionMetrics(scheduler_metric_labels())
+            if get_observability().enable_metrics and get_parallel().attn_tp_rank == 0
+            else None
+        )
+        logger.info(
+            "BASTION worker: drafter block %d, N_max %d (verify width cap %d), K %d, policy %s",
+            block_size,
+            self.config.max_budget,
+            self.config.verify_width_cap,
+            self.config.branching,
+            self.config.policy,
+        )
+
+    # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
+
+    def _maybe_build_draft_sampler(self) -> None:
+        """No in-graph greedy draft sampler: BASTION reads the drafter's hidden states for every token."""
+        return None
+
+    def _validate_phase1_sampling_support(self, batch: ScheduleBatch) -> None:
+        """Every temperature is supported: the sampling walk below is BASTION's own."""
+        return None
+
+    def forward_batch_generation(
+        self,
+        batch: ScheduleBatch,
+        on_publish: Any = None,
+        grammar_barrier: Any = None,
+        pp_proxy_tensors: Any = None,
+    ) -> GenerationBatchResult:
+        """Prefill (SGLang's DFlash path, which also fills the drafter KV) or one BASTION decode step."""
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+            result.next_draft_input = BastionDraftInput(
+                bonus_tokens=result.next_token_ids.to(torch.int64),
+                new_seq_lens=batch.seq_lens.to(torch.int64),
+                generators=[self._generator_for(req) for req in batch.reqs],
+                reserve=self._reserve,
+            )
+            return result
+        return self._decode_step(batch, grammar_barrier)
+
+    # ---- one decode step -------------------------------------------------------------------------
+
+    def _decode_step(self, batch: ScheduleBatch, grammar_barrier: Any) -> GenerationBatchResult:
+        draft_input: BastionDraftInput = batch.spec_info
+        bs = batch.batch_size()
+        prefix = batch.seq_lens.to(torch.int64)  # [B] committed tokens with KV
+        prefix_cpu = batch.seq_lens_cpu  # [B] host copy set by prepare_for_decode
+        contexts = prefix_cpu.tolist()
+        rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+
+        with self._timer.stage("draft"):
+            draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
+            if self._proposer is not None:
+                draft_logits = self._proposer(batch.reqs, draft_logits)
+            top = kernels.topk_logprobs(draft_logits, self.config.branching)
+        with self._timer.stage("plan"):
+            trees = build_trees_unchecked(top.logprobs, top.token_ids, self.config.max_budget)
+            plan = plan_batch(trees, contexts, self.latency, self._step_costs(contexts), self.config.policy)
+            width = plan.width
+            if self._metrics is not None:
+                self._metrics.observe_plan(plan.node_counts, plan.expected_accept, self.latency.calibrated)
+            rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
+            layout = kernels.build_verify_layout(rows, prefix)
+            mask = kernels.flat_custom_mask(layout.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts)))
+            window = prefix[:, None] + self._width_offsets[:width]  # [B, W] req_to_token columns
+            slots = req_to_token[rows_index, window].to(torch.int64)  # [B, W] KV slots of the verify rows
+            grammar_tree = (
+                GrammarTree.from_device(layout.first_child, layout.next_sibling, rows.tokens)
+                if batch.has_grammar
+                else None
+            )
+        with self._timer.stage("verify"):
+            target_out = self._verify(batch, rows, layout, mask, slots, width, prefix_cpu)
+        with self._timer.stage("accept"):
+            logits_output = target_out.logits_output
+            # [B * W, V]; contiguous so the in-place adjustments below land in the tensor used after them
+            next_logits = logits_output.next_token_logits[:, : self._vocab_size].contiguous()
+            sampling_info = batch.sampling_info
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=next_logits, sampling_info=sampling_info, draft_token_num=width
+            )
+            if grammar_tree is not None:
+                grammar_mask = build_grammar_vocab_mask(
+                    reqs=batch.reqs,
+                    tree=grammar_tree,
+                    sampling_info=sampling_info,
+                    device=next_logits.device,
+                    barrier=grammar_barrier,
+                )
+                if grammar_mask is not None:
+                    grammar_mask.apply(next_logits)
+            if sampling_info.is_all_greedy:
+                accept = kernels.accept_greedy(rows, next_logits.view(bs, width, -1))
+            else:
+                probs = target_sampling_probs(next_logits, sampling_info, width)
+                uniforms = draft_input.draw_uniforms(width, next_logits.device)
+                accept = kernels.accept_sampling(rows, probs, uniforms)
+            order = compaction_order(accept.accept_index, accept.accept_length)
+            out_tokens = committed_tokens(rows.tokens, order, accept)
+            commit_lens = (accept.accept_length + 1).to(torch.int32)  # [B] tokens emitted
+            new_seq_lens = prefix + commit_lens.to(torch.int64)
+        with self._timer.stage("commit"):
+            compacted = slots.gather(1, order)
+            req_to_token[rows_index, window] = compacted.to(req_to_token.dtype)
+            hidden = logits_output.hidden_states.view(bs, width, -1)
+            path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+                cache_loc=compacted.reshape(-1),
+                cache_loc_2d=compacted,
+                positions=window.reshape(-1),
+                commit_lens=commit_lens,
+            )
+            logits_output.hidden_states = None
+            if batch.return_logprob:
+                chain_logits = next_logits.view(bs, width, -1).gather(
+                    1, order[:, :, None].expand(-1, -1, next_logits.shape[-1])
+                )
+                logits_output.next_token_logits = chain_logits.reshape(bs * width, -1)
+                compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=width)
+        self._observe(self._timer.finish_step(([width] * bs, contexts, plan.estimated_verify_seconds)))
+
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=out_tokens.reshape(-1),
+            accept_lens=commit_lens,
+            can_run_cuda_graph=target_out.can_run_cuda_graph,
+            next_draft_input=BastionDraftInput(
+                bonus_tokens=accept.bonus_tokens,
+                new_seq_lens=new_seq_lens,
+                generators=draft_input.generators,
+                reserve=self._reserve,
+            ),
+            speculative_num_draft_tokens=width,
+            speculative_output_stride=width,
+            new_seq_lens=new_seq_lens,
+        )
+
+    def _draft_logits(
+        self, batch: ScheduleBatch, bonus_tokens: torch.Tensor, prefix: torch.Tensor
+    ) -> torch.Tensor:
+        """Drafter logits [B, γ-1, V] for the γ-1 positions after each root (SGLang's DFlash draft forward).
+
+        bonus_tokens: [B] roots; prefix: [B] committed lengths. The block [root, MASK x (γ-1)] is written to
+        the drafter KV at slots req_to_token[r, L : L + γ] (overwritten by the commit later).
+        """
+        bs = bonus_tokens.shape[0]
+        block = self.block_size
+        block_ids = self._block_ids[:bs]
+        block_ids[:, 0] = bonus_tokens
+        positions = prefix[:, None] + self._block_offsets  # [B, γ]
+        rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
+        cache_loc = self.model_runner.req_to_token_pool.req_to_token[rows_index, positions].to(torch.int64)
+        embeds = self._embed(block_ids)
+        if self._noise_embed_scale != 1.0:
+            embeds = embeds * self._noise_embed_scale
+        seq_lens_cpu = batch.seq_lens_cpu + block  # host bound on what the block attends to
+        plan = self.model_runner.kv_index_translator.plan(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            write_virtual=cache_loc.reshape(-1),
+            read_extent=block,
+        )
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.reshape(-1),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=prefix,
+            out_cache_loc=cache_loc.reshape(-1),
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions.reshape(-1),
+            input_embeds=embeds.reshape(bs * block, -1),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded=(
+                torch.full((), bs * block, dtype=torch.int32, device=self.device)
+                if enable_num_token_non_padded()
+                else None
+            ),
+            global_num_token_non_padded_cpu=bs * block,
+            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+        )
+        plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
+            draft_out = self.draft_model_runner.forward(forward_batch)
+            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
+            weight = self._lm_head_weight
+            return torch.matmul(hidden.to(weight.dtype), weight.T)
+
+    def _verify(
+        self,
+        batch: ScheduleBatch,
+        rows: kernels.TreeBatch,
+        layout: kernels.VerifyLayout,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
+        width: int,
+        prefix_cpu: torch.Tensor,
+    ) -> GenerationBatchResult:
+        """The target's TARGET_VERIFY forward over the verify rows [B, W] at `slots` [B, W]."""
+        verify_input = BastionVerifyInput(
+            draft_token=rows.tokens.reshape(-1),
+            positions=layout.positions.reshape(-1),
+            draft_token_num=width,
+            custom_mask=mask,
+        )
+        batch.out_cache_loc = slots.reshape(-1)
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        batch.seq_lens_cpu = prefix_cpu + width  # host bound: prefix plus this pass's tokens
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        result = self.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True
+        )
+        processor = self._target_logits_processor
+        logits = result.logits_output.next_token_logits
+        if processor is not None and processor.is_deferred_shard(logits):
+            result.logits_output.next_token_logits = processor.finish_deferred_gather(logits)
+        return result
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+
+    def _generator_for(self, req: Req) -> torch.Generator:
+        """Host RNG of the request's sampling walk: seeded by its sampling_seed, else by the server seed."""
+        seed = req.sampling_params.sampling_seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=self._seed_source))
+        return torch.Generator().manual_seed(seed)
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        """SGLang's hook once a step's accepted counts are on the host: the realised accept lengths."""
+        if self._metrics is not None:
+            self._metrics.observe_accepted(num_correct_drafts_per_req)
+
+    def _step_costs(self, contexts: list[int]) -> StepCosts:
+        """Per-step costs for the planner: the profile's, or running means of measured seconds."""
+        if self._profile_costs is not None:
+            return self._profile_costs
+        typical = max(contexts) if contexts else 0
+        return StepCosts(
+            t_draft=self._draft_seconds, t_aux=self._aux_seconds, l_ar=self.latency.predict(1, typical)
+        )
+
+    def _observe(self, finished: tuple[tuple[list[int], list[int], float], StepTimes] | None) -> None:
+        """Feed a finished step's measured seconds to the latency EMA, the running cost means, the metrics.
+
+        finished: ((verify widths [B], contexts [B], estimated verify seconds), stage times), or None.
+        """
+        if finished is None:
+            return
+        (widths, contexts, estimated), times = finished
+        if times.verify > 0:
+            self.latency.observe_batch(widths, contexts, times.verify)
+            if self._metrics is not None:
+                self._metrics.observe_verify(estimated, times.verify, self.latency.ema_factor)
+        self._draft_seconds += COST_EMA_ALPHA * (times.draft - self._draft_seconds)
+        self._aux_seconds += COST_EMA_ALPHA * (times.aux - self._aux_seconds)

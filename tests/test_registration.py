@@ -1,0 +1,192 @@
+"""`--speculative-algorithm BASTION` through SGLang's plugin entry point: registration, flags, refusals.
+
+Everything runs SGLang's own code paths: `load_plugins()` (the entry point in pyproject.toml),
+`SpeculativeAlgorithm.from_string`, `prepare_server_args` (the launch_server parser) and
+`ServerArgs.resolve_once` (the resolution pipeline that calls BASTION's server-argument handler).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from bastion_sglang.controller import FixedPolicy
+from bastion_sglang.controller.profile import ProfileError
+from bastion_sglang.drafter_config import DrafterMismatchError
+from bastion_sglang.registration import BastionSpecAlgo, config_of
+
+load_plugins()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bastion_registration")
+    target = make_tiny_target(root / "target", vocab_size=260)
+    other = make_tiny_target(root / "other", vocab_size=260, hidden_size=32, heads=2, kv_heads=1)
+    return {
+        "target": target,
+        "drafter": make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2]),
+        "foreign_drafter": make_tiny_drafter(root / "foreign", other, target_layer_ids=[0, 2]),
+    }
+
+
+def _argv(models: dict[str, Path], *extra: str, drafter: str = "drafter") -> list[str]:
+    return [
+        "--model-path",
+        str(models["target"]),
+        "--speculative-algorithm",
+        "BASTION",
+        "--speculative-draft-model-path",
+        str(models[drafter]),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        *extra,
+    ]
+
+
+def _resolve(argv: list[str]) -> object:
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return server_args
+
+
+def test_bastion_resolves_after_load_plugins() -> None:
+    algorithm = SpeculativeAlgorithm.from_string("bastion")
+    assert isinstance(algorithm, BastionSpecAlgo)
+    assert algorithm.name == "BASTION"
+    assert algorithm.is_dflash_family() and not algorithm.is_dflash()
+
+
+def test_without_the_plugin_bastion_is_unknown_as_in_sglang() -> None:
+    code = (
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+        "SpeculativeAlgorithm.from_string('BASTION')\n"
+    )
+    env = dict(os.environ, SGLANG_PLUGINS="a-plugin-that-is-not-installed")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    assert "ValueError: Unknown speculative algorithm name: BASTION" in result.stderr
+
+
+def test_spec_class_defines_every_method_of_the_enum() -> None:
+    enum_methods = {
+        name
+        for name, value in vars(SpeculativeAlgorithm).items()
+        if not name.startswith("_") and isinstance(value, types.FunctionType)
+    }
+    spec_methods = {name for name in dir(BastionSpecAlgo) if callable(getattr(BastionSpecAlgo, name))}
+    assert enum_methods, "the enum's methods were not found"
+    assert enum_methods - spec_methods == set()
+
+
+def test_spec_class_answers_what_the_scheduler_asks() -> None:
+    algorithm = SpeculativeAlgorithm.from_string("BASTION")
+    assert algorithm.carries_draft_hidden_states() is False
+    assert algorithm.need_topk() is False
+    assert algorithm.get_platform_worker_cls() is None
+    assert algorithm.has_draft_kv() and algorithm.supports_target_verify_for_draft()
+
+
+def test_cli_flags_build_the_config_and_travel_with_the_record(models: dict[str, Path]) -> None:
+    server_args = prepare_server_args(
+        _argv(
+            models,
+            "--bastion-max-budget",
+            "12",
+            "--bastion-policy",
+            "fixed:5",
+            "--bastion-ema-alpha",
+            "0.25",
+            "--bastion-width-buckets",
+            "4,8,13",
+            "--bastion-topk",
+            "3",
+        )
+    )
+    config = config_of(server_args)
+    assert (config.max_budget, config.policy, config.ema_alpha) == (12, FixedPolicy(5), 0.25)
+    assert (config.width_buckets, config.topk, config.profile_path) == ((4, 8, 13), 3, None)
+    assert config_of(pickle.loads(pickle.dumps(server_args))) == config
+
+
+def test_resolution_sets_the_verify_width_and_turns_overlap_off(models: dict[str, Path]) -> None:
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    view = resolved_view(_resolve(_argv(models, "--bastion-max-budget", "10")))
+    assert view.speculative_num_draft_tokens == 11
+    assert view.speculative_dflash_block_size == 16
+    assert (view.speculative_num_steps, view.speculative_eagle_topk) == (1, 1)
+    assert view.disable_overlap_schedule is True
+    assert view.speculative_draft_attention_backend == "torch_native"
+
+
+def test_flags_without_the_algorithm_are_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="--bastion-topk need --speculative-algorithm BASTION"):
+        prepare_server_args(["--model-path", str(models["target"]), "--bastion-topk", "3"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--bastion-policy", "greedy"), "unknown policy 'greedy'"),
+        (("--bastion-policy", "fixed:0"), "fixed:N needs a positive integer N"),
+        (("--bastion-max-budget", "5000"), "--bastion-max-budget 5000 exceeds the limit 1024"),
+        (("--bastion-max-budget", "0"), "max_budget \\(N_max\\) must be a positive int"),
+        (("--bastion-max-budget", "4", "--bastion-policy", "fixed:6"), "policy fixed:6 verifies more nodes"),
+        (("--bastion-ema-alpha", "1.5"), "ema_alpha must be in \\(0, 1\\]"),
+        (("--bastion-width-buckets", "8,4"), "width_buckets must be sorted, unique ints"),
+    ],
+)
+def test_bad_options_are_refused_when_parsed(
+    models: dict[str, Path], extra: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        prepare_server_args(_argv(models, *extra))
+
+
+def test_incompatible_drafter_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(
+        DrafterMismatchError, match="drafter hidden_size 32 differs from the target's hidden_size 64"
+    ):
+        _resolve(_argv(models, drafter="foreign_drafter"))
+
+
+def test_missing_profile_is_refused_naming_the_file(models: dict[str, Path], tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-profile.json"
+    with pytest.raises(ProfileError, match=f"{missing}: calibration profile not found"):
+        _resolve(_argv(models, "--bastion-profile", str(missing)))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--attention-backend", "triton"), "BASTION on --device cpu needs --attention-backend torch_native"),
+        (("--page-size", "16"), "BASTION needs --page-size 1"),
+        (("--speculative-num-draft-tokens", "16"), "--bastion-max-budget 15"),
+        (("--context-length", "64", "--bastion-max-budget", "40"), "more than half the context length 64"),
+    ],
+)
+def test_unsupported_setups_are_refused_at_resolution(
+    models: dict[str, Path], extra: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        _resolve(_argv(models, *extra))

@@ -1,0 +1,276 @@
+"""BASTION in a real `sglang.Engine` on CPU: outputs equal the same Engine without speculation.
+
+Tiny random fp32 Qwen3 target and z-lab-format DFlash drafter (tests/tiny_models.py). One reference Engine
+without speculation, then one Engine per BASTION configuration (module-scoped: Engines are slow to start
+on two cores); each runs the same requests once and the tests compare what came back:
+- T = 0, 8 prompts sent as one batch: token ids identical to the reference for the adaptive, fixed:N and
+  chain policies, with a random drafter (mostly rejected trees) and with the test-only oracle drafter
+  (tests/oracle_drafter.py, through `BastionConfig.draft_proposer`) whose long accepted paths must
+  average well above one token per verify pass; its decoy variant interleaves wrong siblings with the
+  accepted path in the verify row, so only an exact ancestor mask keeps the outputs equal;
+- stop strings, stop token ids (the EOS rule) and max_new_tokens 1, 2, 3 truncate exactly as without
+  speculation, also when the stop falls inside an accepted path;
+- T > 0 with a seed completes with valid tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+from oracle_drafter import write_references  # noqa: E402
+from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
+
+from bastion_sglang.config import BastionConfig  # noqa: E402
+from bastion_sglang.registration import attach_config, make_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    list(text.encode())
+    for text in (
+        "hello world",
+        "the quick brown fox",
+        "abc",
+        "once upon a time there",
+        "0123456789",
+        "BASTION verifies trees",
+        "zz",
+        "a longer prompt that spans more than one block of sixteen tokens",
+    )
+]
+MAX_NEW_TOKENS = 32
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+SHORT_LENGTHS = (1, 2, 3)
+STOP_CASES = 2  # requests with a stop string cut from their reference text
+VOCAB_SIZE = 260  # the tokenizer's own ids only: outputs decode to text with ASCII in it
+SAMPLED = {
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 50,
+    "min_p": 0.02,
+    "max_new_tokens": MAX_NEW_TOKENS,
+    "ignore_eos": True,
+    "sampling_seed": 7,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What one Engine returned for the shared request set (ids per request; text for stop requests)."""
+
+    greedy: list[list[int]]
+    short: list[list[int]]
+    stop: list[tuple[list[int], str]]
+    stop_token: list[list[int]]
+    verify_calls: int
+    completion_tokens: int
+    sampled: list[list[int]] | None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("bastion_engine")
+    target = make_tiny_target(root / "target", vocab_size=VOCAB_SIZE, initializer_range=0.1)
+    drafter = make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2])
+    return target, drafter
+
+
+def _server_args(models: tuple[Path, Path], config: BastionConfig | None) -> Any:
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    target, drafter = models
+    kwargs: dict[str, Any] = dict(
+        model_path=str(target),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        dtype="float32",
+        max_total_tokens=8192,
+        mem_fraction_static=0.05,
+        random_seed=0,
+        log_level="error",
+    )
+    if config is not None:
+        kwargs |= dict(speculative_algorithm="BASTION", speculative_draft_model_path=str(drafter))
+    server_args = ServerArgs(**kwargs)
+    if config is not None:
+        attach_config(server_args, config)
+    return server_args
+
+
+def _stops_from(greedy: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(prompt index, stop string) for the first STOP_CASES reference texts holding a pair of printable
+    ASCII characters after their first quarter: the stop then lands inside a run, on text the
+    detokenizer emits as is."""
+    printable = set(string.ascii_letters + string.digits + string.punctuation)
+    cases = []
+    for i, out in enumerate(greedy):
+        text = out["text"]
+        pairs = [
+            text[j : j + 2] for j in range(len(text) // 4, len(text) - 1) if set(text[j : j + 2]) <= printable
+        ]
+        if pairs:
+            cases.append((i, pairs[0]))
+    assert len(cases) >= STOP_CASES, f"too few printable reference texts for stop strings: {cases}"
+    return cases[:STOP_CASES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stops:
+    """Requests that must end early: (prompt index, stop string) and (prompt index, stop token id)."""
+
+    strings: list[tuple[int, str]]
+    tokens: list[tuple[int, int]]
+
+
+def _stop_tokens_from(greedy: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(prompt index, token id): for the first prompts, the first token of the reference output's second
+    half that does not occur before it, so the request ends there as at an EOS."""
+    cases = []
+    for i, out in enumerate(greedy):
+        ids = out["output_ids"]
+        half = len(ids) // 2
+        fresh = [token for token in ids[half:] if token not in ids[:half]]
+        if fresh:
+            cases.append((i, fresh[0]))
+    assert len(cases) >= STOP_CASES, f"too few reference outputs for stop tokens: {cases}"
+    return cases[:STOP_CASES]
+
+
+def _run(server_args: Any, stops: Stops | None, sample: bool) -> tuple[Run, Stops]:
+    """Send the shared request set to one Engine; stops None: derive them from this run's outputs."""
+    engine = sglang.Engine(server_args=server_args)
+    try:
+        greedy = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        if stops is None:
+            stops = Stops(strings=_stops_from(greedy), tokens=_stop_tokens_from(greedy))
+        short = engine.generate(
+            input_ids=PROMPTS[: len(SHORT_LENGTHS)],
+            sampling_params=[
+                {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in SHORT_LENGTHS
+            ],
+        )
+        stop = engine.generate(
+            input_ids=[PROMPTS[i] for i, _ in stops.strings],
+            sampling_params=[dict(GREEDY, stop=[stop]) for _, stop in stops.strings],
+        )
+        stop_token = engine.generate(
+            input_ids=[PROMPTS[i] for i, _ in stops.tokens],
+            sampling_params=[dict(GREEDY, ignore_eos=False, stop_token_ids=[t]) for _, t in stops.tokens],
+        )
+        sampled = engine.generate(input_ids=PROMPTS[:4], sampling_params=SAMPLED) if sample else None
+    finally:
+        engine.shutdown()
+    run = Run(
+        greedy=[out["output_ids"] for out in greedy],
+        short=[out["output_ids"] for out in short],
+        stop=[(out["output_ids"], out["text"]) for out in stop],
+        stop_token=[out["output_ids"] for out in stop_token],
+        verify_calls=sum(int(out["meta_info"].get("spec_verify_ct") or 0) for out in greedy),
+        completion_tokens=sum(int(out["meta_info"]["completion_tokens"]) for out in greedy),
+        sampled=None if sampled is None else [out["output_ids"] for out in sampled],
+    )
+    return run, stops
+
+
+@pytest.fixture(scope="module")
+def reference_run(models: tuple[Path, Path]) -> tuple[Run, Stops]:
+    """The Engine without speculation, and the stop strings cut from its texts."""
+    return _run(_server_args(models, None), None, sample=False)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: tuple[Run, Stops]) -> Run:
+    return reference_run[0]
+
+
+CONFIGS = ("adaptive", "fixed:6", "chain", "oracle", "oracle-decoy")
+DECOY_GAP = 0.4  # the reference token ~0.6, its decoy ~0.4 at every draft position
+MIN_MEAN_ACCEPT = {"oracle": 3.0, "oracle-decoy": 2.0}  # tokens per verify pass; 1.0 for the others
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def bastion(
+    request: pytest.FixtureRequest,
+    models: tuple[Path, Path],
+    reference_run: tuple[Run, Stops],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Run]]:
+    """One BASTION Engine per configuration: (name, what it returned)."""
+    name = request.param
+    reference, stops = reference_run
+    if name.startswith("oracle"):
+        decoy = name == "oracle-decoy"
+        references = write_references(
+            tmp_path_factory.mktemp(name) / "reference.json",
+            PROMPTS,
+            reference.greedy,
+            decoy_gap=DECOY_GAP if decoy else None,
+        )
+        config = dataclasses.replace(
+            make_config(max_budget=12, policy="fixed:12" if decoy else "adaptive", topk=2),
+            draft_proposer="oracle_drafter:make_oracle",
+            draft_proposer_arg=str(references),
+        )
+    else:
+        config = make_config(max_budget=8, policy=name, topk=4)
+    yield name, _run(_server_args(models, config), stops, sample=True)[0]
+
+
+def test_greedy_batch_equals_no_speculation(bastion: tuple[str, Run], reference: Run) -> None:
+    name, run = bastion
+    for i, (got, want) in enumerate(zip(run.greedy, reference.greedy, strict=True)):
+        assert got == want, f"{name}: prompt {i} diverges at token {_first_difference(got, want)}"
+
+
+def test_speculation_ran(bastion: tuple[str, Run]) -> None:
+    name, run = bastion
+    assert run.completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
+    assert 0 < run.verify_calls <= run.completion_tokens, name
+
+
+def test_mean_accept_length(bastion: tuple[str, Run]) -> None:
+    name, run = bastion
+    mean_accept = run.completion_tokens / run.verify_calls
+    assert mean_accept >= MIN_MEAN_ACCEPT.get(name, 1.0), f"{name}: {mean_accept:.2f} tokens per verify pass"
+
+
+def test_short_max_new_tokens_equal_no_speculation(bastion: tuple[str, Run], reference: Run) -> None:
+    name, run = bastion
+    assert [len(ids) for ids in run.short] == list(SHORT_LENGTHS)
+    assert run.short == reference.short, name
+
+
+def test_stop_strings_truncate_as_without_speculation(bastion: tuple[str, Run], reference: Run) -> None:
+    name, run = bastion
+    assert run.stop == reference.stop, name
+    assert all(len(ids) < MAX_NEW_TOKENS for ids, _ in reference.stop), "the stop strings must cut the runs"
+
+
+def test_stop_tokens_end_runs_as_without_speculation(bastion: tuple[str, Run], reference: Run) -> None:
+    name, run = bastion
+    assert run.stop_token == reference.stop_token, name
+    assert all(len(ids) < MAX_NEW_TOKENS for ids in reference.stop_token), "the stop tokens must end the runs"
+
+
+def test_sampling_with_seed_completes(bastion: tuple[str, Run]) -> None:
+    _, run = bastion
+    assert run.sampled is not None
+    assert [len(ids) for ids in run.sampled] == [MAX_NEW_TOKENS] * 4
+    assert all(0 <= token < VOCAB_SIZE for ids in run.sampled for token in ids)
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+    )
