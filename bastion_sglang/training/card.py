@@ -1,0 +1,179 @@
+"""The model card (README.md) of a trained drafter: YAML metadata validated by pydantic, then prose.
+
+The metadata block holds the Hugging Face card keys and, under `bastion_training`, every figure the prose
+quotes (data, steps, wall time, losses, held-out acceptance), so the numbers are machine-readable and
+come from the run's own state, never typed by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.training.train import AcceptanceReport, TrainConfig, TrainingState
+
+CARD_NAME = "README.md"
+
+
+class DataSummary(BaseModel):
+    """What the drafter was trained and measured on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: str = Field(description="target model the data was regenerated with")
+    prompt_sets: list[str]
+    train_sequences: int
+    train_response_tokens: int
+    heldout_sequences: int
+    max_new_tokens: int
+    generation_dtype: str
+    generation_seconds: float = Field(description="wall time of the regeneration, train + held-out")
+
+
+class TrainingSummary(BaseModel):
+    """The `bastion_training` metadata block."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data: DataSummary
+    config: TrainConfig
+    steps_done: int
+    train_seconds: float
+    device: str
+    final_loss: float | None
+    acceptance: AcceptanceReport | None = Field(description="held-out chain acceptance at steps_done")
+
+
+class CardMetadata(BaseModel):
+    """The YAML front matter of README.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    license: str
+    base_model: str
+    tags: list[str]
+    library_name: str
+    bastion_training: TrainingSummary
+
+
+def write_card(
+    folder: Path,
+    *,
+    name: str,
+    license_id: str,
+    base_model: str,
+    drafter: DrafterConfig,
+    state: TrainingState,
+    data: DataSummary,
+    device: str,
+    acceptance: AcceptanceReport | None,
+    mask_token: str,
+) -> Path:
+    """Write folder/README.md for a drafter at `state.step`; returns its path."""
+    summary = TrainingSummary(
+        data=data,
+        config=state.config,
+        steps_done=state.step,
+        train_seconds=state.seconds,
+        device=device,
+        final_loss=state.history[-1].loss if state.history else None,
+        acceptance=acceptance,
+    )
+    metadata = CardMetadata(
+        license=license_id,
+        base_model=base_model,
+        tags=["dflash", "speculative-decoding", "bastion", "block-diffusion"],
+        library_name="sglang",
+        bastion_training=summary,
+    )
+    front = yaml.safe_dump(metadata.model_dump(mode="json"), sort_keys=False, width=100)
+    path = folder / CARD_NAME
+    path.write_text(f"---\n{front}---\n\n{_prose(name, base_model, drafter, summary, mask_token)}", "utf-8")
+    return path
+
+
+def read_card_metadata(path: Path) -> CardMetadata:
+    """Parse the front matter of a card written by `write_card`; ValueError naming the file if it is bad."""
+    text = path.read_text(encoding="utf-8")
+    parts = text.split("---\n", 2)
+    if len(parts) < 3 or parts[0]:
+        raise ValueError(f"{path}: no YAML front matter between '---' lines")
+    try:
+        return CardMetadata.model_validate(yaml.safe_load(parts[1]))
+    except (yaml.YAMLError, ValidationError) as error:
+        raise ValueError(f"{path}: bad card metadata: {error}") from None
+
+
+def _prose(
+    name: str, base_model: str, drafter: DrafterConfig, summary: TrainingSummary, mask_token: str
+) -> str:
+    config, data = summary.config, summary.data
+    hours = summary.train_seconds / 3600
+    lines = [
+        f"# {name}",
+        "",
+        f"A DFlash block-diffusion drafter for `{base_model}`, for `--speculative-algorithm BASTION` (and",
+        "SGLang's built-in DFLASH). Given the target's features of the committed tokens, it proposes",
+        f"distributions for the next {drafter.block_size - 1} tokens in one forward pass. It has no",
+        "embedding and no LM head: the target's are shared. Output stays exactly the target's; the",
+        "drafter only changes speed.",
+        "",
+        "## Architecture",
+        "",
+        f"- {drafter.num_hidden_layers} draft layers, hidden {drafter.hidden_size}, "
+        f"{drafter.num_attention_heads} heads / {drafter.num_key_value_heads} KV heads of "
+        f"{drafter.head_dim}, MLP {drafter.intermediate_size}, RoPE θ {drafter.rope_theta:g}.",
+        f"- Context features: target layers {list(drafter.target_layer_ids)} (0-based outputs, "
+        f"`hidden_states[l + 1]`) of {drafter.num_target_layers}, concatenated, `fc` + `hidden_norm`.",
+        f"- Block size {drafter.block_size}; mask token id {drafter.mask_token_id} (`{mask_token}`).",
+        "- z-lab checkpoint format (`config.json` with `dflash_config`, `model.safetensors`), loaded",
+        "  unchanged by SGLang 0.5.23's `DFlashDraftModel` and by `bastion_sglang.reference.drafter`.",
+        "",
+        "## Training data",
+        "",
+        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.training.data`;",
+        f"the held-out split is never trained on). The target answered each prompt greedily "
+        f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
+        f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "
+        f"sequences for measurement. Regeneration took {data.generation_seconds / 3600:.2f} h.",
+        "",
+        "## Training",
+        "",
+        f"{summary.steps_done} of {config.steps} steps on {summary.device} ({hours:.2f} h of training),",
+        f"{config.batch_sequences} sequences × {config.anchors_per_sequence} random anchors per step,",
+        f"per-position loss weights exp(-(k-1)/{config.loss_decay:g}), AdamW lr {config.lr:g} "
+        f"(warmup {config.warmup_steps} steps, cosine to 0), weight decay {config.weight_decay:g}, "
+        f"{config.precision}, seed {config.seed}."
+        + (f" Last logged loss: {summary.final_loss:.3f} nats." if summary.final_loss is not None else ""),
+        "",
+        "## Held-out acceptance",
+        "",
+    ]
+    report = summary.acceptance
+    if report is None:
+        lines.append("Not measured yet.")
+    else:
+        lines += [
+            "Chain acceptance against the target's greedy continuation of held-out prompts: for each",
+            "anchor, 1 + the number of leading block positions whose drafter argmax equals the target's",
+            f"token (at most {drafter.block_size}); {report.blocks} blocks.",
+            "",
+            "| set | mean accepted length |",
+            "|---|---|",
+            *(f"| {source} | {mean:.2f} |" for source, mean in report.by_source.items()),
+            f"| all | {report.mean:.2f} |",
+        ]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```",
+        "python -m sglang.launch_server --model-path $(bastion demo setup --print-path) \\",
+        f"    --speculative-algorithm BASTION --speculative-draft-model-path models/{name}",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

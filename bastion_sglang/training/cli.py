@@ -1,0 +1,263 @@
+"""`bastion train-drafter`: regenerate data with the target, train a DFlash drafter, export it with a card.
+
+Stages (each resumable):
+1. Regeneration (`data.regenerate`) of the training split and of the held-out split into --data-dir
+   (<data-dir>/train, <data-dir>/heldout); an existing folder with the same settings is continued.
+2. Training (`train.Trainer`), with its state in <data-dir>/runs/<out name>/; --resume continues it.
+3. Export at every checkpoint: the drafter in the z-lab format (bf16 weights), the held-out chain
+   acceptance, and README.md, into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from bastion_sglang.assets import default_cache_dir
+from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits, default_target_layer_ids
+from bastion_sglang.training.card import DataSummary, write_card
+from bastion_sglang.training.data import (
+    PROMPT_SETS,
+    load_training_sequences,
+    plan_prompts,
+    regenerate,
+)
+from bastion_sglang.training.train import (
+    STATE_JSON_NAME,
+    AcceptancePoint,
+    TrainConfig,
+    Trainer,
+    chain_acceptance,
+    load_frozen_target,
+)
+
+HELP = "Train a DFlash drafter for a target: regenerate data with it, train, export (z-lab format)."
+DEFAULT_FEATURE_LAYERS = 5
+"""Target layers read by default (DFlash's count for its 5-layer drafters), spread as DFlash does."""
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `bastion train-drafter`."""
+    parser.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face)")
+    parser.add_argument("--out", type=Path, required=True, help="drafter folder to write (z-lab format)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    parser.add_argument("--block-size", type=int, default=16, help="block: anchor token + block_size-1 masks")
+    parser.add_argument(
+        "--target-layer-ids",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=None,
+        help=f"comma-separated target layers to read (default: {DEFAULT_FEATURE_LAYERS} spread over 1..L-3)",
+    )
+    parser.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="token id filling the masked block positions (default: the tokenizer's mask token)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="regenerated data and run state (default: <cache>/drafter-data/<target folder name>)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue the training run in the data dir")
+    parser.add_argument("--data-only", action="store_true", help="stop after regenerating the data")
+    parser.add_argument(
+        "--prompt-sets",
+        type=lambda text: text.split(","),
+        default=list(PROMPT_SETS),
+        help="comma-separated prompt sets or JSONL files (default: humaneval,mtbench,sharegpt)",
+    )
+    parser.add_argument("--train-prompts-per-set", type=int, default=1000, help="cap per set, training split")
+    parser.add_argument("--heldout-prompts-per-set", type=int, default=16, help="cap per set, held-out split")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    parser.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generation batch")
+    parser.add_argument("--gen-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--batch-sequences", type=int, default=4, help="sequences per step")
+    parser.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
+    parser.add_argument("--loss-decay", type=float, default=7.0, help="γ of the weights exp(-(k-1)/γ)")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-minutes", type=float, default=10.0, help="wall minutes between checkpoints"
+    )
+    parser.add_argument("--eval-stride", type=int, default=4, help="anchor stride of the acceptance measure")
+    parser.add_argument("--license", default="apache-2.0", help="license of the drafter, for its card")
+    parser.add_argument(
+        "--base-model", default=None, help="card's base_model (default: the target folder name)"
+    )
+
+
+def resolve_mask_token(target: Path, mask_token_id: int | None) -> tuple[int, str]:
+    """(mask id, its token text): the given id, else the tokenizer's mask token; ValueError if neither."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if mask_token_id is None:
+        if tokenizer.mask_token_id is None:
+            raise ValueError(
+                f"{target}: the tokenizer has no mask token; pass --mask-token-id with a token the target "
+                "never sees in chat use (for SmolLM2: 16, <empty_output>)"
+            )
+        mask_token_id = int(tokenizer.mask_token_id)
+    if not 0 <= mask_token_id < len(tokenizer):
+        raise ValueError(
+            f"--mask-token-id {mask_token_id} is outside the tokenizer's 0..{len(tokenizer) - 1}"
+        )
+    return mask_token_id, str(tokenizer.convert_ids_to_tokens(mask_token_id))
+
+
+def build_drafter_config(
+    target_config: dict, *, layers: int, block_size: int, layer_ids: list[int], mask_token_id: int
+) -> DrafterConfig:
+    """The drafter's config: the target's widths and RoPE, `layers` draft layers, the given ids."""
+    rope = target_config.get("rope_parameters") or {}
+    rope_theta = target_config.get("rope_theta", rope.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError("target config.json has no rope_theta (top level or rope_parameters)")
+    heads = int(target_config["num_attention_heads"])
+    drafter = DrafterConfig(
+        hidden_size=int(target_config["hidden_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(target_config.get("num_key_value_heads") or heads),
+        head_dim=int(target_config.get("head_dim") or target_config["hidden_size"] // heads),
+        intermediate_size=int(target_config["intermediate_size"]),
+        rms_norm_eps=float(target_config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        vocab_size=int(target_config["vocab_size"]),
+        block_size=block_size,
+        num_target_layers=int(target_config["num_hidden_layers"]),
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(layer_ids),
+    )
+    check_drafter_fits(drafter, target_config)
+    return drafter
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the three stages (module docstring); returns the exit status."""
+    target: Path = args.target.resolve()
+    config_path = target / "config.json"
+    if not config_path.is_file():
+        raise SystemExit(f"error: {config_path} not found; --target must be a Hugging Face model folder")
+    target_config = json.loads(config_path.read_text(encoding="utf-8"))
+    num_layers = int(target_config["num_hidden_layers"])
+    layer_ids = args.target_layer_ids or list(default_target_layer_ids(num_layers, DEFAULT_FEATURE_LAYERS))
+    if len(set(layer_ids)) != len(layer_ids):
+        raise SystemExit(
+            f"error: target layer ids {layer_ids} repeat a layer; pass distinct --target-layer-ids"
+        )
+    data_dir: Path = args.data_dir or default_cache_dir() / "drafter-data" / target.name
+    device = torch.device(args.device)
+    common = dict(
+        target_layer_ids=layer_ids,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch_size=args.gen_batch_size,
+        dtype=args.gen_dtype,
+        device=args.device,
+    )
+    heldout_prompts = plan_prompts(args.prompt_sets, "heldout", args.heldout_prompts_per_set)
+    train_prompts = plan_prompts(args.prompt_sets, "train", args.train_prompts_per_set)
+    heldout_manifest = regenerate(target, heldout_prompts, data_dir / "heldout", **common)
+    train_manifest = regenerate(target, train_prompts, data_dir / "train", **common)
+    if args.data_only:
+        print(f"data ready in {data_dir}")
+        return 0
+
+    mask_token_id, mask_token = resolve_mask_token(target, args.mask_token_id)
+    drafter_config = build_drafter_config(
+        target_config,
+        layers=args.layers,
+        block_size=args.block_size,
+        layer_ids=layer_ids,
+        mask_token_id=mask_token_id,
+    )
+    train_config = TrainConfig(
+        steps=args.steps,
+        batch_sequences=args.batch_sequences,
+        anchors_per_sequence=args.anchors,
+        loss_decay=args.loss_decay,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        precision=args.precision,
+        seed=args.seed,
+    )
+    frozen = load_frozen_target(target, device)
+    train_sequences = load_training_sequences(data_dir / "train")
+    heldout_sequences = load_training_sequences(data_dir / "heldout")
+    state_dir = data_dir / "runs" / args.out.name
+    trainer = Trainer(drafter_config, train_config, frozen, train_sequences, state_dir, device)
+    if args.resume:
+        trainer.resume()
+    elif (state_dir / STATE_JSON_NAME).exists():
+        raise SystemExit(
+            f"error: a training run already exists in {state_dir}; pass --resume to continue it, or remove "
+            "that folder to start over"
+        )
+    data_summary = DataSummary(
+        target=str(target),
+        prompt_sets=[str(s) for s in args.prompt_sets],
+        train_sequences=len(train_sequences),
+        train_response_tokens=sum(s.num_response_tokens for s in train_manifest.shards),
+        heldout_sequences=len(heldout_sequences),
+        max_new_tokens=args.max_new_tokens,
+        generation_dtype=args.gen_dtype,
+        generation_seconds=train_manifest.generation_seconds + heldout_manifest.generation_seconds,
+    )
+
+    def export(current: Trainer) -> None:
+        report = chain_acceptance(
+            current.drafter,
+            frozen,
+            heldout_sequences,
+            stride=args.eval_stride,
+            precision=args.precision,
+        )
+        current.state.acceptance.append(
+            AcceptancePoint(step=current.state.step, mean=report.mean, blocks=report.blocks)
+        )
+        logger.info(
+            "step %d: held-out chain acceptance %.3f over %d blocks",
+            current.state.step,
+            report.mean,
+            report.blocks,
+        )
+        export_drafter(current, args.out)
+        write_card(
+            args.out,
+            name=args.out.name,
+            license_id=args.license,
+            base_model=args.base_model or target.name,
+            drafter=drafter_config,
+            state=current.state,
+            data=data_summary,
+            device=str(device),
+            acceptance=report,
+            mask_token=mask_token,
+        )
+
+    state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
+    print(f"drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
+    return 0
+
+
+def export_drafter(trainer: Trainer, out: Path) -> Path:
+    """Save the trainer's drafter into `out` in the z-lab format with bf16 weights; returns the folder."""
+    from bastion_sglang.reference.drafter import DFlashDrafter
+
+    copy = DFlashDrafter(trainer.drafter.config)
+    copy.load_state_dict(trainer.drafter.state_dict())
+    return copy.to(torch.bfloat16).save_pretrained(out)

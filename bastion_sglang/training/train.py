@@ -1,0 +1,527 @@
+"""DFlash drafter training: random anchors, blocks of B after each, decaying per-position loss weights.
+
+Terms. A training sequence is a prompt of P tokens followed by the target's own (regenerated) response,
+T tokens in all, with the target features of every position (`data.SequenceBatch`). An anchor a is a
+response position (P <= a <= T - 2). Its block is the drafter input [t_a, MASK × (B-1)] at positions
+a..a+B-1; the drafter predicts t_{a+k} at block position k = 1..B-1 (the tokens the target produced),
+seeing the context features of positions 0..a-1 (exactly what inference has after committing t_a).
+
+One forward serves many blocks: the queries of all blocks of a sequence run together, with an attention
+mask that lets block j see the context keys p < a_j and its own block's keys (non-causally) and nothing
+else, which is the DFlash training trick (each block as if drafted alone). The forward uses the modules
+of `bastion_sglang.reference.drafter.DFlashDrafter` (its projections, norms and RoPE), so a trained
+drafter is saved, loaded and run by that class and by SGLang's `DFlashDraftModel` unchanged.
+
+Loss: cross-entropy of the target's token at each block position, weighted by w_k = exp(-(k-1)/γ)
+(DFlash). γ = 7 for B = 16 (`DEFAULT_LOSS_DECAY`): position 1 weighs 1, position 8 weighs 0.37 and the
+last position 0.14, so early positions (which decide most accepted tokens) dominate while the tail still
+learns. The target's embedding and LM head are frozen and shared, not part of the drafter.
+Optimiser: AdamW, linear warmup then cosine decay to zero; bf16 autocast (fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm import tqdm
+
+from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.reference.drafter import DFlashDrafter, apply_rope, rope_cos_sin
+from bastion_sglang.training.data import TrainingSequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOSS_DECAY = 7.0
+"""γ of the per-position loss weights exp(-(k-1)/γ) (module docstring)."""
+STATE_TENSORS_NAME = "state.pt"
+STATE_JSON_NAME = "state.json"
+
+
+class TrainConfig(BaseModel):
+    """Hyper-parameters of one training run; a resumed run must use the same values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: int = Field(gt=0)
+    batch_sequences: int = Field(default=4, gt=0, description="sequences per optimiser step")
+    anchors_per_sequence: int = Field(default=32, gt=0, description="blocks drawn from each sequence")
+    loss_decay: float = Field(default=DEFAULT_LOSS_DECAY, gt=0, description="γ of exp(-(k-1)/γ)")
+    lr: float = Field(default=6e-4, gt=0)
+    warmup_steps: int = Field(default=50, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    precision: Literal["bf16-mixed", "fp32"] = "bf16-mixed"
+
+
+class LogPoint(BaseModel):
+    """Training progress at one step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int
+    loss: float = Field(description="weighted cross-entropy, nats, mean over the steps since the last point")
+    first_position_accuracy: float = Field(description="argmax == target at block position 1, same window")
+    lr: float
+    seconds: float = Field(description="training wall time so far")
+
+
+class AcceptancePoint(BaseModel):
+    """Held-out chain acceptance measured at a checkpoint (`chain_acceptance`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step: int
+    mean: float = Field(description="mean accepted length per block, bonus included")
+    blocks: int
+
+
+class TrainingState(BaseModel):
+    """state.json beside state.pt: where a run is, for resuming and for the model card."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: Literal[1] = 1
+    config: TrainConfig
+    drafter_config: DrafterConfig
+    step: int = Field(ge=0, description="optimiser steps done")
+    seconds: float = Field(ge=0, description="training wall time, summed over resumed sessions")
+    supervised_positions: int = Field(ge=0, description="block positions with a label, summed")
+    history: list[LogPoint] = Field(default_factory=list)
+    acceptance: list[AcceptancePoint] = Field(default_factory=list, description="held-out, per checkpoint")
+
+
+def position_weights(block_size: int, decay: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay) for block positions k = 1..block_size-1 -> [block_size - 1] float32."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (one anchor and one predicted token), got {block_size}")
+    if decay <= 0:
+        raise ValueError(f"loss decay γ must be positive, got {decay}")
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / decay)
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """Blocks of several sequences, padded to a common width (S sequences, n blocks each, B per block).
+
+    features: [S, T, F·h] context features, zero-padded past each sequence's end.
+    anchors: [S, n] int64 anchor positions (0 for padding blocks).
+    noise_ids: [S, n·B] int64, block j = [t_{a_j}, mask × (B-1)].
+    labels: [S, n, B-1] int64, t_{a_j+k} at block position k, -100 where there is none.
+    """
+
+    features: torch.Tensor
+    anchors: torch.Tensor
+    noise_ids: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.labels.shape[2]) + 1
+
+    def to(self, device: torch.device) -> BlockBatch:
+        return BlockBatch(*(t.to(device) for t in (self.features, self.anchors, self.noise_ids, self.labels)))
+
+
+def make_blocks(
+    sequences: list[TrainingSequence],
+    anchors: list[list[int]],
+    block_size: int,
+    mask_token_id: int,
+) -> BlockBatch:
+    """Build the blocks for the given anchors (one list per sequence, each anchor in its anchor_range)."""
+    count = max(len(a) for a in anchors)
+    width = max(int(s.tokens.shape[0]) for s in sequences)
+    dim = int(sequences[0].features.shape[1])
+    features = torch.zeros((len(sequences), width, dim), dtype=sequences[0].features.dtype)
+    anchor_tensor = torch.zeros((len(sequences), count), dtype=torch.long)
+    noise = torch.full((len(sequences), count, block_size), mask_token_id, dtype=torch.long)
+    labels = torch.full((len(sequences), count, block_size - 1), -100, dtype=torch.long)
+    for row, (sequence, chosen) in enumerate(zip(sequences, anchors, strict=True)):
+        length = int(sequence.tokens.shape[0])
+        features[row, :length] = sequence.features
+        for j, anchor in enumerate(chosen):
+            if anchor not in sequence.anchor_range:
+                raise ValueError(
+                    f"anchor {anchor} outside the sequence's anchor range {sequence.anchor_range}"
+                )
+            anchor_tensor[row, j] = anchor
+            noise[row, j, 0] = sequence.tokens[anchor]
+            targets = sequence.tokens[anchor + 1 : anchor + block_size]
+            labels[row, j, : targets.shape[0]] = targets
+    return BlockBatch(features, anchor_tensor, noise.view(len(sequences), -1), labels)
+
+
+def block_attention_mask(anchors: torch.Tensor, context_width: int, block_size: int) -> torch.Tensor:
+    """anchors [S, n] -> bool [S, 1, n·B, T + n·B]: block j sees context keys p < a_j and its own block."""
+    sequences, count = anchors.shape
+    queries = count * block_size
+    block_of_query = torch.arange(queries, device=anchors.device) // block_size  # [n·B]
+    query_anchor = anchors[:, block_of_query]  # [S, n·B]
+    context = torch.arange(context_width, device=anchors.device)
+    sees_context = context[None, None, :] < query_anchor[:, :, None]  # [S, n·B, T]
+    same_block = block_of_query[:, None] == block_of_query[None, :]  # [n·B, n·B]
+    sees_block = same_block[None].expand(sequences, -1, -1)
+    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+def drafter_forward(drafter: DFlashDrafter, embed: torch.nn.Embedding, batch: BlockBatch) -> torch.Tensor:
+    """Hidden states of every block position -> [S, n·B, h] (after the drafter's final norm).
+
+    Same math as `DFlashDrafter.append_context` + `forward` for each block alone: context K/V from
+    hidden_norm(fc(features)) at positions 0..T-1, noise queries/keys at positions a_j..a_j+B-1.
+    """
+    config = drafter.config
+    sequences, width, _ = batch.features.shape
+    queries = batch.noise_ids.shape[1]
+    block = batch.block_size
+    device = batch.features.device
+    context = drafter.hidden_norm(drafter.fc(batch.features.to(drafter.fc.weight.dtype)))  # [S, T, h]
+    context_positions = torch.arange(width, device=device).repeat(sequences)  # [S·T]
+    noise_positions = (batch.anchors[:, :, None] + torch.arange(block, device=device)[None, None, :]).reshape(
+        -1
+    )  # [S·n·B]
+    context_cos, context_sin = rope_cos_sin(
+        context_positions, config.head_dim, config.rope_theta, torch.float32
+    )
+    noise_cos, noise_sin = rope_cos_sin(noise_positions, config.head_dim, config.rope_theta, torch.float32)
+    mask = block_attention_mask(batch.anchors, width, block)
+    x = embed(batch.noise_ids)  # [S, n·B, h]
+    flat_context = context.reshape(sequences * width, -1)
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        heads, kv_heads, head_dim = attn.heads, attn.kv_heads, attn.head_dim
+        normed = layer.input_layernorm(x).reshape(sequences * queries, -1)
+        q = attn.q_norm(attn.q_proj(normed).view(-1, heads, head_dim))
+        q = apply_rope(q, noise_cos, noise_sin).view(sequences, queries, heads, head_dim).transpose(1, 2)
+        k_context, v_context = attn.project_kv(flat_context, context_cos, context_sin)  # [kv, S·T, d]
+        k_noise, v_noise = attn.project_kv(normed, noise_cos, noise_sin)  # [kv, S·n·B, d]
+        keys = torch.cat(
+            [
+                k_context.view(kv_heads, sequences, width, head_dim),
+                k_noise.view(kv_heads, sequences, queries, -1),
+            ],
+            dim=2,
+        ).transpose(0, 1)  # [S, kv, T + n·B, d]
+        values = torch.cat(
+            [
+                v_context.view(kv_heads, sequences, width, head_dim),
+                v_noise.view(kv_heads, sequences, queries, -1),
+            ],
+            dim=2,
+        ).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, enable_gqa=heads != kv_heads
+        )  # [S, heads, n·B, d]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(sequences, queries, heads * head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+@dataclass(frozen=True)
+class LossResult:
+    """loss: weighted mean cross-entropy (scalar, differentiable); labelled: positions with a label;
+    first_correct: correct argmax predictions at block position 1."""
+
+    loss: torch.Tensor
+    labelled: int
+    first_correct: int
+    first_total: int
+
+
+def block_loss(
+    drafter: DFlashDrafter,
+    embed: torch.nn.Embedding,
+    lm_head: torch.Tensor,
+    batch: BlockBatch,
+    weights: torch.Tensor,
+) -> LossResult:
+    """Σ w_k·CE(t_{a+k}) / Σ w_k over labelled positions; lm_head [V, h] frozen, weights [B-1]."""
+    hidden = drafter_forward(drafter, embed, batch)
+    sequences, count, predicted = batch.labels.shape
+    hidden = hidden.view(sequences, count, predicted + 1, -1)[:, :, 1:]  # [S, n, B-1, h]
+    valid = batch.labels >= 0
+    logits = F.linear(hidden[valid], lm_head.to(hidden.dtype)).float()  # [M, V]
+    labels = batch.labels[valid]
+    position_weight = weights.to(hidden.device)[None, None, :].expand_as(batch.labels)[valid]
+    loss = (position_weight * F.cross_entropy(logits, labels, reduction="none")).sum() / position_weight.sum()
+    is_first = torch.zeros_like(batch.labels, dtype=torch.bool)
+    is_first[:, :, 0] = True
+    is_first = is_first[valid]  # [M]: rows of block position 1
+    # .item()-style host syncs: two counts per step, for the progress log
+    first_correct = int((logits[is_first].argmax(-1) == labels[is_first]).sum())
+    return LossResult(loss, int(valid.sum()), first_correct, int(is_first.sum()))
+
+
+def sample_anchors(
+    sequences: list[TrainingSequence], count: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Up to `count` distinct anchors per sequence, uniform over its anchor range, sorted."""
+    chosen = []
+    for sequence in sequences:
+        span = sequence.anchor_range
+        picks = torch.randperm(len(span), generator=generator)[:count]
+        chosen.append(sorted(span.start + int(i) for i in picks))
+    return chosen
+
+
+def batch_for_step(
+    sequences: list[TrainingSequence], config: TrainConfig, step: int
+) -> tuple[list[TrainingSequence], list[list[int]]]:
+    """The sequences and anchors of optimiser step `step`, a pure function of (seed, step).
+
+    Sequences are visited in a fresh permutation per epoch; anchors come from a generator seeded with
+    (seed, step), so a resumed run draws exactly the batches the uninterrupted run would have.
+    """
+    total = len(sequences)
+    chosen = []
+    for slot in range(step * config.batch_sequences, (step + 1) * config.batch_sequences):
+        epoch, index = divmod(slot, total)
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
+        chosen.append(sequences[int(order[index])])
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 1)
+    return chosen, sample_anchors(chosen, config.anchors_per_sequence, generator)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to 0 at `steps` (step counts from 0)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass(frozen=True)
+class FrozenTarget:
+    """The target's pieces the drafter shares: embedding table and LM head weight [V, h], both frozen."""
+
+    embed: torch.nn.Embedding
+    lm_head: torch.Tensor
+
+
+def load_frozen_target(target: Path, device: torch.device) -> FrozenTarget:
+    """Read the target's input embedding and LM head (tied or not) from its folder, frozen, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    weight = model.get_input_embeddings().weight.detach().clone()
+    head = model.get_output_embeddings().weight.detach().clone()
+    embed = torch.nn.Embedding.from_pretrained(weight, freeze=True).to(device)
+    return FrozenTarget(embed=embed, lm_head=head.to(device))
+
+
+class Trainer:
+    """Runs `TrainConfig.steps` optimiser steps with checkpoints in `state_dir`, resumable."""
+
+    def __init__(
+        self,
+        drafter_config: DrafterConfig,
+        config: TrainConfig,
+        frozen: FrozenTarget,
+        sequences: list[TrainingSequence],
+        state_dir: Path,
+        device: torch.device,
+    ) -> None:
+        if not sequences:
+            raise ValueError("no training sequence has a response of >= 2 tokens")
+        self.config = config
+        self.frozen = frozen
+        self.sequences = sequences
+        self.state_dir = state_dir
+        self.device = device
+        self.weights = position_weights(drafter_config.block_size, config.loss_decay)
+        torch.manual_seed(config.seed)
+        self.drafter = DFlashDrafter(drafter_config).to(device).train()
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+        )
+        self.state = TrainingState(
+            config=config, drafter_config=drafter_config, step=0, seconds=0.0, supervised_positions=0
+        )
+
+    def resume(self) -> None:
+        """Load state.json and state.pt from state_dir; ValueError naming a setting that differs."""
+        json_path = self.state_dir / STATE_JSON_NAME
+        try:
+            stored = TrainingState.model_validate_json(json_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"{json_path}: no training state to resume; run without --resume") from None
+        except ValidationError as error:
+            raise ValueError(f"{json_path}: not a training state: {error}") from None
+        for name, (old, new) in {
+            "config": (stored.config, self.config),
+            "drafter_config": (stored.drafter_config, self.state.drafter_config),
+        }.items():
+            before = old.model_dump()
+            for field, value in new.model_dump().items():
+                if before[field] != value:
+                    raise ValueError(
+                        f"{json_path}: {name}.{field} was {before[field]!r}, this run has {value!r}; "
+                        "resume with the same options or start a new run without --resume"
+                    )
+        tensors = torch.load(self.state_dir / STATE_TENSORS_NAME, map_location=self.device, weights_only=True)
+        self.drafter.load_state_dict(tensors["drafter"])
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        self.state = stored
+        logger.info("resumed %s at step %d (%.0f s trained)", self.state_dir, stored.step, stored.seconds)
+
+    def save(self) -> None:
+        """Write state.pt then state.json (each through a temporary file and a rename)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_dir / (STATE_TENSORS_NAME + ".tmp")
+        torch.save({"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
+        tmp.replace(self.state_dir / STATE_TENSORS_NAME)
+        tmp_json = self.state_dir / (STATE_JSON_NAME + ".tmp")
+        tmp_json.write_text(self.state.model_dump_json(indent=1) + "\n", encoding="utf-8")
+        tmp_json.replace(self.state_dir / STATE_JSON_NAME)
+
+    def train_step(self, step: int) -> LossResult:
+        """One optimiser step on the batch of `step`."""
+        sequences, anchors = batch_for_step(self.sequences, self.config, step)
+        batch = make_blocks(
+            sequences, anchors, self.state.drafter_config.block_size, self.state.drafter_config.mask_token_id
+        ).to(self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.config, step)
+        with torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-mixed"
+        ):
+            result = block_loss(self.drafter, self.frozen.embed, self.frozen.lm_head, batch, self.weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        return result
+
+    def run(
+        self,
+        *,
+        checkpoint_seconds: float,
+        log_every: int = 10,
+        on_checkpoint: Callable[[Trainer], None] | None = None,
+    ) -> TrainingState:
+        """Train from the current step to config.steps; checkpoint every checkpoint_seconds and at the end.
+
+        on_checkpoint: called with the trainer just before each checkpoint is written (to export the
+        drafter, measure acceptance and record it in `state`, which the checkpoint then stores).
+        """
+        last_save = time.perf_counter()
+        window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
+        with tqdm(total=self.config.steps, initial=self.state.step, desc="train-drafter", unit="step") as bar:
+            while self.state.step < self.config.steps:
+                began = time.perf_counter()
+                result = self.train_step(self.state.step)
+                loss = float(result.loss.detach())  # host sync once per step, for the log
+                self.state.step += 1
+                self.state.seconds += time.perf_counter() - began
+                self.state.supervised_positions += result.labelled
+                window_loss += loss
+                window_correct += result.first_correct
+                window_total += result.first_total
+                window_steps += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}")
+                done = self.state.step == self.config.steps
+                if self.state.step % log_every == 0 or done:
+                    point = LogPoint(
+                        step=self.state.step,
+                        loss=window_loss / window_steps,
+                        first_position_accuracy=window_correct / max(1, window_total),
+                        lr=learning_rate(self.config, self.state.step - 1),
+                        seconds=self.state.seconds,
+                    )
+                    self.state.history.append(point)
+                    logger.info(
+                        "step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)",
+                        point.step,
+                        self.config.steps,
+                        point.loss,
+                        point.first_position_accuracy,
+                        point.lr,
+                        point.seconds,
+                    )
+                    window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
+                if done or time.perf_counter() - last_save >= checkpoint_seconds:
+                    if on_checkpoint is not None:
+                        on_checkpoint(self)
+                    self.save()
+                    last_save = time.perf_counter()
+        return self.state
+
+
+class AcceptanceReport(BaseModel):
+    """Chain acceptance of a drafter on held-out sequences (see `chain_acceptance`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mean: float = Field(description="mean accepted length per block, bonus included (1..B)")
+    blocks: int = Field(description="blocks measured")
+    histogram: list[int] = Field(description="histogram[m] = blocks with m accepted drafts (0..B-1)")
+    by_source: dict[str, float] = Field(description="mean accepted length per prompt set")
+
+
+@torch.no_grad()
+def chain_acceptance(
+    drafter: DFlashDrafter,
+    frozen: FrozenTarget,
+    sequences: list[TrainingSequence],
+    *,
+    stride: int = 4,
+    batch_sequences: int = 4,
+    precision: Literal["bf16-mixed", "fp32"] = "bf16-mixed",
+) -> AcceptanceReport:
+    """Mean accepted length of a chain draft, measured against the target's greedy continuation.
+
+    For anchors a = P, P+stride, ... with a full block left (a + B - 1 <= T - 1), the drafter sees the
+    context 0..a-1 and the block [t_a, MASK...]; the accepted length is 1 + the number of leading block
+    positions k = 1, 2, ... whose argmax equals t_{a+k} (what greedy verification of that chain accepts;
+    the 1 is the target's bonus token). `by_source` groups the blocks by the sequences' prompt sets.
+    """
+    block = drafter.config.block_size
+    device = frozen.lm_head.device
+    drafter.eval()
+    accepted_by_source: dict[str, list[int]] = {}
+    histogram = [0] * block
+    for start in range(0, len(sequences), batch_sequences):
+        group = sequences[start : start + batch_sequences]
+        anchors = [list(range(s.prompt_length, int(s.tokens.shape[0]) - block + 1, stride)) for s in group]
+        keep = [i for i, a in enumerate(anchors) if a]
+        if not keep:
+            continue
+        batch = make_blocks(
+            [group[i] for i in keep], [anchors[i] for i in keep], block, drafter.config.mask_token_id
+        ).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            hidden = drafter_forward(drafter, frozen.embed, batch)
+        count = batch.labels.shape[1]
+        hidden = hidden.view(len(keep), count, block, -1)[:, :, 1:]
+        predicted = F.linear(hidden.float(), frozen.lm_head).argmax(-1)  # [S, n, B-1]
+        run = torch.cumprod((predicted == batch.labels).long(), dim=-1).sum(-1)  # [S, n]
+        for row, i in enumerate(keep):
+            lengths = run[row, : len(anchors[i])].tolist()
+            accepted_by_source.setdefault(group[i].source, []).extend(lengths)
+            for length in lengths:
+                histogram[length] += 1
+    drafter.train()
+    every = [length for lengths in accepted_by_source.values() for length in lengths]
+    if not every:
+        raise ValueError("no held-out sequence has a full block after its prompt; generate longer responses")
+    return AcceptanceReport(
+        mean=1.0 + sum(every) / len(every),
+        blocks=len(every),
+        histogram=histogram,
+        by_source={
+            source: 1.0 + sum(lengths) / len(lengths)
+            for source, lengths in sorted(accepted_by_source.items())
+        },
+    )
