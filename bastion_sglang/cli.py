@@ -14,7 +14,6 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "demo": "bastion_sglang.demo",
     "train-drafter": "bastion_sglang.training.cli",
-    "bench": "bastion_sglang.bench",
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",
 }

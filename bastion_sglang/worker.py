@@ -44,12 +44,16 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from bastion_sglang import kernels
+from bastion_sglang.calibration.identity import RuntimeIdentity
+from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
+from bastion_sglang.calibration.lookup import resolve_latency_profile
+from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller import plan_batch
 from bastion_sglang.controller.batched import build_trees_unchecked
 from bastion_sglang.controller.latency import LatencyModel
-from bastion_sglang.controller.profile import StepCosts, load_profile
-from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
 from bastion_sglang.metrics import BastionMetrics, StageTimer, StepTimes, scheduler_metric_labels
 from bastion_sglang.registration import config_of
 from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
@@ -86,26 +90,42 @@ def load_draft_proposer(config: BastionConfig) -> DraftProposer | None:
     return factory(config.draft_proposer_arg)
 
 
-def build_latency_model(
-    config: BastionConfig, target_config: dict[str, Any], dtype: torch.dtype, device: torch.device
+def worker_latency_model(
+    config: BastionConfig,
+    server_args: ServerArgs,
+    target_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[LatencyModel, StepCosts | None]:
     """The verify-latency model and, from a profile, the fixed step costs (None: measured online).
 
-    profile_path set: `load_profile` (ProfileError names the file). "auto": an uncalibrated roofline of the
-    target on `device` (CPU_HARDWARE on a CPU, the datasheet of the GPU otherwise) with the EMA.
+    `--bastion-profile PATH` loads that profile (a profile measured for another device or model: a warning
+    naming both; a corrupt or wrong-version file: ProfileError naming it, so the server refuses to start).
+    `auto` looks in the profile store for the profile of this device, target config, dtype, attention
+    backend and tp; with none, an uncalibrated roofline of the target on this device (CPU_HARDWARE on a
+    CPU, the GPU's datasheet otherwise) corrected online by the EMA, and one warning that names the
+    `bastion calibrate` command to run.
     """
-    if config.profile_path is not None:
-        profile = load_profile(config.profile_path)
-        return profile.latency_model(config.ema_alpha), profile.step_costs
-    hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    roofline = RooflineModel(ModelShape.from_hf_config(target_config), hardware, element_bytes)
-    logger.warning(
-        "BASTION has no latency profile: planning with an uncalibrated roofline (%s) corrected online. "
-        "Measure this deployment with `bastion calibrate` and pass --bastion-profile PATH.",
-        hardware.name,
+    identity = RuntimeIdentity.for_runtime(
+        device=device,
+        model_path=server_args.model_path,
+        dtype=dtype,
+        attention_backend=str(server_args.attention_backend),
+        tp_size=int(server_args.tp_size),
+        engine="sglang",
+        draft_model_path=server_args.speculative_draft_model_path,
     )
-    return LatencyModel(roofline, None, config.ema_alpha), None
+    spec = "auto" if config.profile_path is None else config.profile_path
+    resolved = resolve_latency_profile(spec, identity, ProfileStore.locate(None))
+    for warning in resolved.warnings:
+        logger.warning("BASTION: %s", warning)
+    if resolved.profile is not None:
+        logger.info("BASTION: planning with latency profile %s", resolved.path)
+        hardware = None
+    else:
+        hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
+    latency = build_calibrated_latency_model(resolved, target_config, hardware, config.ema_alpha, None)
+    return latency, None if resolved.profile is None else resolved.profile.step_costs
 
 
 def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int) -> torch.Tensor:
@@ -197,8 +217,9 @@ class BastionWorker(DFlashWorkerV2):
         self._vocab_size = int(self.model_runner.model_config.vocab_size)
         self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
         self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
-        self.latency, self._profile_costs = build_latency_model(
+        self.latency, self._profile_costs = worker_latency_model(
             self.config,
+            server_args,
             self.model_runner.model_config.hf_config.to_dict(),
             self.model_runner.model_config.dtype,
             torch.device(self.device),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
+import logging
 import os
 import struct
 import subprocess
@@ -242,3 +244,42 @@ def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path
     assert profile.metadata.sglang_version == "0.5.23"
     assert {sample.s for sample in profile.samples} == set(width_grid(8))
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.slow
+def test_server_finds_the_sglang_profile_with_auto(
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`bastion calibrate --engine sglang` into a store, then the worker's latency setup with `auto`."""
+    from sglang.srt.server_args import ServerArgs
+
+    from bastion_sglang.config import BastionConfig
+    from bastion_sglang.worker import worker_latency_model
+
+    target, drafter = pair
+    store = tmp_path / "store"
+    argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]
+    argv += ["--draft-model-path", str(drafter), "--engine", "sglang", "--device", "cpu", *GRID]
+    argv += ["--max-width", "8", "--store", str(store)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (path,) = sorted(store.glob("*.json"))
+    profile = load_profile(path)
+    server_args = ServerArgs(
+        model_path=str(target),
+        speculative_draft_model_path=str(drafter),
+        device="cpu",
+        attention_backend="torch_native",
+    )
+    config = json.loads((target / "config.json").read_text())
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("BASTION_PROFILE_STORE", str(store))
+    latency, costs = worker_latency_model(BastionConfig(), server_args, config, torch.float32, cpu)
+    assert latency.calibrated and latency.latency_fit == profile.fit
+    assert costs == profile.step_costs
+    monkeypatch.setenv("BASTION_PROFILE_STORE", str(tmp_path / "empty"))
+    with caplog.at_level(logging.WARNING):
+        latency, costs = worker_latency_model(BastionConfig(), server_args, config, torch.float32, cpu)
+    assert not latency.calibrated and costs is None
+    assert "bastion calibrate" in caplog.text
