@@ -47,10 +47,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server_log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[Path, Path], server_log: Path) -> Iterator[str]:
     target, drafter = models
     port = _free_port()
-    log = tmp_path_factory.mktemp("server_log") / "server.log"
+    log = server_log
     command = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target),
@@ -151,3 +156,27 @@ def test_metrics_show_the_cli_budget_and_sglang_labels(server: str, greedy: list
     (_, accepted_sum), *_ = _metric_values(text, "sglang:bastion_accept_length_sum")
     # Every decode step commits >= 1 token per request; the prefill emits each request's first token.
     assert accepted_sum >= len(PROMPTS) * (MAX_NEW_TOKENS - 1)
+    # One sample per request per step in each per-request series, one per verify pass in each pass series.
+    per_request = {
+        name: _metric_values(text, name)[0][1]
+        for name in (
+            "sglang:bastion_tree_nodes_count",
+            "sglang:bastion_expected_accept_length_count",
+            "sglang:bastion_accept_length_count",
+        )
+    }
+    assert len(set(per_request.values())) == 1, per_request
+    (_, estimated), *_ = _metric_values(text, "sglang:bastion_verify_seconds_estimated_count")
+    (_, observed), *_ = _metric_values(text, "sglang:bastion_verify_seconds_observed_count")
+    (_, uncalibrated), *_ = _metric_values(text, "sglang:bastion_uncalibrated_steps_total")
+    assert estimated == observed == uncalibrated
+    assert estimated <= count <= estimated * len(PROMPTS)
+
+
+def test_kv_pool_is_whole_again_when_idle(server: str, greedy: list[list[int]], server_log: Path) -> None:
+    """SGLang's idle check (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE, on by default) compares free +
+    evictable + held KV slots with the pool size once the scheduler is idle, and stops the server with
+    "memory leak detected" when a tree's rejected slots were not freed."""
+    time.sleep(5)  # let the scheduler go idle and run its check
+    assert requests.get(f"{server}/health_generate", timeout=60).status_code == 200
+    assert "leak" not in server_log.read_text().lower()
