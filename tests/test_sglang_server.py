@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -178,5 +179,30 @@ def test_kv_pool_is_whole_again_when_idle(server: str, greedy: list[list[int]], 
     evictable + held KV slots with the pool size once the scheduler is idle, and stops the server with
     "memory leak detected" when a tree's rejected slots were not freed."""
     time.sleep(5)  # let the scheduler go idle and run its check
+    assert requests.get(f"{server}/health_generate", timeout=60).status_code == 200
+    assert "leak" not in server_log.read_text().lower()
+
+
+def test_aborted_requests_finish_as_aborted_and_free_their_kv(
+    server: str, greedy: list[list[int]], server_log: Path
+) -> None:
+    """abort_all mid-generation: every request ends with finish reason abort, the server keeps serving, and
+    SGLang's idle check finds the KV pool whole (the aborted trees' slots were freed)."""
+
+    def generate(prompt: list[int]) -> dict:
+        params = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
+        response = requests.post(
+            f"{server}/generate", json={"input_ids": prompt, "sampling_params": params}, timeout=300
+        )
+        return response.json()
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(generate, prompt) for prompt in PROMPTS]
+        time.sleep(3)
+        requests.post(f"{server}/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
+        results = [future.result() for future in futures]
+    reasons = [result["meta_info"]["finish_reason"]["type"] for result in results]
+    assert reasons == ["abort"] * len(PROMPTS), results
+    time.sleep(5)  # idle: SGLang checks the pool
     assert requests.get(f"{server}/health_generate", timeout=60).status_code == 200
     assert "leak" not in server_log.read_text().lower()
