@@ -74,7 +74,7 @@ def server_command(target: Path, drafter: Path, port: int, device: str, extra: l
         str(port),
     ]
     if device == "cpu":
-        command += [*CPU_FLAGS, "--mem-fraction-static", "0.05"]
+        command += [*CPU_FLAGS, "--mem-fraction-static", "0.2", "--max-total-tokens", "65536"]
     return command + extra
 
 
