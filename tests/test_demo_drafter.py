@@ -1,0 +1,106 @@
+"""The committed demo drafter in a real `sglang.Engine` next to the converted SmolLM2-135M-Instruct target.
+
+`models/smollm2-135m-instruct-dflash` (trained by `bastion train-drafter`, see its README.md) must load in
+SGLang's DFlash draft model next to the target from `bastion demo setup` (converted into a temporary
+cache), and on 8 held-out prompts (4 HumanEval, 4 MT-Bench, never seen in training) at T = 0 with
+MAX_NEW_TOKENS new tokens each, one batch:
+- the chain policy (DFlash's single path of 15 drafted tokens) accepts more than CHAIN_TAU_FLOOR tokens per
+  verify pass on average (bonus included), well above the 1.0 of an untrained drafter;
+- best-first trees of 64 nodes (`fixed:64`) accept more per verify pass than the chain.
+The adaptive policy runs too and its τ is printed: on CPU it maximises the estimated speedup with small trees
+(verify cost rises steeply with width on a CPU), so its τ is not asserted against the chain's.
+τ = completion tokens / verify passes, summed over the requests (SGLang's `spec_verify_ct`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from bastion_sglang.demo import setup_demo_target  # noqa: E402
+from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
+from bastion_sglang.registration import attach_config, make_config  # noqa: E402
+from bastion_sglang.training.data import chat_prompt_ids, load_prompts  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
+PROMPTS_PER_SET = 4
+MAX_NEW_TOKENS = 48
+CHAIN_TAU_FLOOR = 1.35
+MAX_DRAFTER_BYTES = 25 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return setup_demo_target(tmp_path_factory.mktemp("cache")).path
+
+
+@pytest.fixture(scope="module")
+def prompts(target: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    chosen = [p for name in ("humaneval", "mtbench") for p in load_prompts(name, "heldout")[:PROMPTS_PER_SET]]
+    return [chat_prompt_ids(tokenizer, prompt) for prompt in chosen]
+
+
+def _tau(target: Path, prompts: list[list[int]], policy: str) -> float:
+    """Mean accepted length of one greedy batch through an Engine running BASTION with `policy`."""
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    server_args = ServerArgs(
+        model_path=str(target),
+        speculative_algorithm="BASTION",
+        speculative_draft_model_path=str(DRAFTER),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        dtype="float32",
+        max_total_tokens=8192,
+        mem_fraction_static=0.2,
+        random_seed=0,
+        log_level="error",
+    )
+    attach_config(server_args, make_config(policy=policy))
+    engine = Engine(server_args=server_args)
+    try:
+        outputs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
+        )
+    finally:
+        engine.shutdown()
+    completion = sum(out["meta_info"]["completion_tokens"] for out in outputs)
+    passes = sum(out["meta_info"]["spec_verify_ct"] for out in outputs)
+    assert completion == MAX_NEW_TOKENS * len(prompts)
+    print(f"{policy}: tau {completion / passes:.3f} ({completion} tokens, {passes} verify passes)")
+    return completion / passes
+
+
+@pytest.fixture(scope="module")
+def taus(target: Path, prompts: list[list[int]]) -> Iterator[dict[str, float]]:
+    yield {policy: _tau(target, prompts, policy) for policy in ("chain", "fixed:64", "adaptive")}
+
+
+def test_committed_drafter_fits_the_size_budget_and_the_target(target: Path) -> None:
+    assert (DRAFTER / "README.md").is_file()
+    assert sum(f.stat().st_size for f in DRAFTER.iterdir()) <= MAX_DRAFTER_BYTES
+    config = DrafterConfig.from_json(DRAFTER)
+    assert config.block_size == 16
+    assert config.hidden_size == 576
+
+
+def test_chain_accepts_more_than_the_floor(taus: dict[str, float]) -> None:
+    assert taus["chain"] > CHAIN_TAU_FLOOR
+
+
+def test_trees_accept_more_than_the_chain(taus: dict[str, float]) -> None:
+    assert taus["fixed:64"] > taus["chain"]
