@@ -1,9 +1,9 @@
 """The committed demo drafter in a real `sglang.Engine` next to the converted SmolLM2-135M-Instruct target.
 
 `models/smollm2-135m-instruct-dflash` (trained by `bastion train-drafter`, see its README.md) must load in
-SGLang's DFlash draft model next to the target from `bastion demo setup` (converted into a temporary
-cache), and on 8 held-out prompts (4 HumanEval, 4 MT-Bench, never seen in training) at T = 0 with
-MAX_NEW_TOKENS new tokens each, one batch:
+SGLang's DFlash draft model next to the target from `bastion demo setup` (converted once per session
+into a temporary cache by the `demo_target` plugin), and on 8 held-out prompts (4 HumanEval, 4 MT-Bench,
+never seen in training) at T = 0 with MAX_NEW_TOKENS new tokens each, one batch:
 - the chain policy (DFlash's single path of 15 drafted tokens) accepts more than CHAIN_TAU_FLOOR tokens per
   verify pass on average (bonus included), well above the 1.0 of an untrained drafter;
 - best-first trees of 64 nodes (`fixed:64`) accept more per verify pass than the chain.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,12 +24,15 @@ sglang = pytest.importorskip("sglang")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from bastion_sglang.demo import setup_demo_target  # noqa: E402
 from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
 from bastion_sglang.registration import attach_config, make_config  # noqa: E402
 from bastion_sglang.training.data import chat_prompt_ids, load_prompts  # noqa: E402
 
+if TYPE_CHECKING:
+    from demo_target import DemoTarget
+
 pytestmark = pytest.mark.slow
+pytest_plugins = ["demo_target"]
 
 DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 PROMPTS_PER_SET = 4
@@ -38,8 +42,8 @@ MAX_DRAFTER_BYTES = 25 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return setup_demo_target(tmp_path_factory.mktemp("cache")).path
+def target(demo_target: DemoTarget) -> Path:
+    return demo_target.path
 
 
 @pytest.fixture(scope="module")

