@@ -3,9 +3,9 @@
 Starts `python -m sglang.launch_server --speculative-algorithm BASTION --enable-metrics` on the converted
 SmolLM2-135M-Instruct target (`bastion demo setup`) and the drafter committed in
 `models/smollm2-135m-instruct-dflash`, on CUDA when torch sees a GPU and on CPU otherwise; waits for
-`/health_generate`; sends one chat completion; prints the answer, the mean accepted length of the request
-and the `sglang:bastion_*` series of `/metrics`. Then it stops the server, or keeps it serving with
-`--keep-serving`.
+`/health_generate`; sends one chat completion; prints the answer and the `sglang:bastion_*` series of
+`/metrics` (`bastion_accept_length` sum / count is the mean accepted length). Then it stops the server, or
+keeps it serving with `--keep-serving`.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disabl
 
 @dataclass(frozen=True)
 class ChatAnswer:
-    """One chat completion: the text, its completion tokens and verify passes (τ = tokens / passes)."""
+    """One chat completion: the text and its completion tokens."""
 
     text: str
     completion_tokens: int
-    verify_passes: int | None
 
 
 def default_drafter() -> Path:
@@ -111,12 +110,9 @@ def chat(url: str, prompt: str, max_tokens: int) -> ChatAnswer:
     )
     with urllib.request.urlopen(request, timeout=600) as response:
         answer = json.load(response)
-    usage = answer["usage"]
-    verify_passes = (answer.get("metadata") or {}).get("spec_verify_ct")
     return ChatAnswer(
         text=answer["choices"][0]["message"]["content"],
-        completion_tokens=int(usage["completion_tokens"]),
-        verify_passes=None if verify_passes is None else int(verify_passes),
+        completion_tokens=int(answer["usage"]["completion_tokens"]),
     )
 
 
@@ -184,13 +180,7 @@ def run(args: argparse.Namespace, target: Path) -> int:
         wait_until_ready(url, process, args.startup_timeout, args.log)
         print(f"\nuser: {args.prompt}", flush=True)
         answer = chat(url, args.prompt, args.max_tokens)
-        print(f"assistant: {answer.text}\n")
-        if answer.verify_passes:
-            tau = answer.completion_tokens / answer.verify_passes
-            print(
-                f"{answer.completion_tokens} tokens in {answer.verify_passes} verify passes: "
-                f"mean accepted length {tau:.2f}\n"
-            )
+        print(f"assistant: {answer.text}\n({answer.completion_tokens} tokens)\n")
         print("\n".join(bastion_metric_lines(url)), flush=True)
         if args.keep_serving:
             print(f"\nserving at {url} (Ctrl-C stops)", flush=True)

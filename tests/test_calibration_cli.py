@@ -39,7 +39,6 @@ from bastion_sglang.controller.profile import CalibrationProfile, load_profile
 CPU = torch.device("cpu")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GRID = ["--max-width", "16", "--max-context", "128", "--repeats", "2", "--warmup", "1"]
-TIME_LIMIT = 120.0  # seconds for the whole reference calibration on the CI box
 
 
 @dataclass(frozen=True)
@@ -88,9 +87,8 @@ def only_profile(store: ProfileStore) -> tuple[Path, CalibrationProfile]:
     return files[0], load_profile(files[0])
 
 
-def test_calibrate_runs_end_to_end_in_time(calibrated: Calibrated) -> None:
-    assert calibrated.exit_code == 0
-    assert calibrated.seconds < TIME_LIMIT
+def test_calibrate_runs_end_to_end(calibrated: Calibrated) -> None:
+    assert calibrated.exit_code == 0, calibrated.stdout
 
 
 def test_profile_records_the_deployment(calibrated: Calibrated) -> None:
