@@ -24,6 +24,7 @@ The hardware peaks of the roofline come from the CUDA device name (`lookup_gpu`)
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -317,13 +318,16 @@ def run_planner(
 
 
 def load_prompts(target_path: Path, prompts_file: Path | None, count: int, vocab: int) -> list[list[int]]:
-    """Token ids of the prompts: lines of --prompts or the defaults, through the target's chat template;
-    a folder without a tokenizer (the smoke pair) gets fixed random ids."""
+    """Token ids of the prompts through the target's chat template: --prompts as a text file (one prompt per
+    line) or JSONL (`{"prompt": ...}` per line, for prompts with newlines), else the defaults; a folder
+    without a tokenizer (the smoke pair) gets fixed random ids."""
     if not (target_path / "tokenizer_config.json").exists():
         generator = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab, (12,), generator=generator).tolist() for _ in range(count)]
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    texts = prompts_file.read_text().splitlines() if prompts_file is not None else list(DEFAULT_PROMPTS)
+    texts = list(DEFAULT_PROMPTS) if prompts_file is None else prompts_file.read_text().splitlines()
+    if prompts_file is not None and prompts_file.suffix == ".jsonl":
+        texts = [json.loads(line)["prompt"] for line in texts if line.strip()]
     texts = [text for text in texts if text.strip()][:count]
     if tokenizer.chat_template:
         return [
@@ -462,7 +466,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and grids: an end-to-end check")
     parser.add_argument("--target", type=Path, help="trained target folder (with --draft: part b)")
     parser.add_argument("--draft", type=Path, help="trained DFlash drafter folder (z-lab format)")
-    parser.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 8 built in)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        help='text file (one prompt per line) or .jsonl ({"prompt": ...} per line); default: 8 built in',
+    )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-nodes", type=int, default=1024, help="tree budget cap of the adaptive policy")
