@@ -100,20 +100,28 @@ def _check_samples(samples: Sequence[LatencySample], minimum: int, purpose: str)
             raise ValueError(f"samples[{i}] must be a LatencySample, got {type(sample).__name__}")
 
 
-def _fit_branch(feature: np.ndarray, observed: np.ndarray) -> tuple[float, float]:
+def _fit_branch(
+    feature: np.ndarray, observed: np.ndarray, nonnegative_intercept: bool = False
+) -> tuple[float, float]:
     """(α, β) of observed ≈ α·feature + β by least squares on one branch's samples.
 
+    nonnegative_intercept: constrain β >= 0 (the memory branch: β is the fixed cost of a pass, and the
+    branch sets the latency at s = 1, c = 0, which must stay positive). When the free least-squares β is
+    negative, the constrained optimum is β = 0 with α = Σ feature·observed / Σ feature².
     Degenerate branch (fewer than 2 samples, one distinct feature value, or a least-squares α <= 0):
     α = median(observed / feature) over the branch and β = mean(observed - α·feature), the least-squares β
-    for that α.
+    for that α (clipped at 0 under the constraint).
     """
     if feature.size >= 2 and np.ptp(feature) > 1e-9 * np.max(feature):
         design = np.stack([feature, np.ones_like(feature)], axis=1)
         (alpha, beta), *_ = np.linalg.lstsq(design, observed, rcond=None)
         if alpha > 0 and math.isfinite(alpha) and math.isfinite(beta):
-            return float(alpha), float(beta)
+            if beta >= 0 or not nonnegative_intercept:
+                return float(alpha), float(beta)
+            return float(np.dot(feature, observed) / np.dot(feature, feature)), 0.0
     alpha = float(np.median(observed / feature))
-    return alpha, float(np.mean(observed - alpha * feature))
+    beta = float(np.mean(observed - alpha * feature))
+    return alpha, max(beta, 0.0) if nonnegative_intercept else beta
 
 
 def _fit_assignment(
@@ -122,19 +130,20 @@ def _fit_assignment(
     """Refit both branches for one assignment of samples (True: compute branch).
 
     A branch that holds no sample gets α = median ratio over all samples and the largest β that keeps it
-    at or below the other branch on every sample, so it changes no prediction on the data.
+    at or below the other branch on every sample, so it changes no prediction on the data (for the memory
+    branch at least 0: β_m >= 0 keeps every fit's latency positive at s = 1, c = 0).
     """
     if on_compute.all():
         alpha_c, beta_c = _fit_branch(compute, observed)
         alpha_m = float(np.median(observed / memory))
-        beta_m = float(np.min(alpha_c * compute + beta_c - alpha_m * memory))
+        beta_m = max(float(np.min(alpha_c * compute + beta_c - alpha_m * memory)), 0.0)
     elif not on_compute.any():
-        alpha_m, beta_m = _fit_branch(memory, observed)
+        alpha_m, beta_m = _fit_branch(memory, observed, nonnegative_intercept=True)
         alpha_c = float(np.median(observed / compute))
         beta_c = float(np.min(alpha_m * memory + beta_m - alpha_c * compute))
     else:
         alpha_c, beta_c = _fit_branch(compute[on_compute], observed[on_compute])
-        alpha_m, beta_m = _fit_branch(memory[~on_compute], observed[~on_compute])
+        alpha_m, beta_m = _fit_branch(memory[~on_compute], observed[~on_compute], nonnegative_intercept=True)
     return LatencyFit(alpha_c=alpha_c, beta_c=beta_c, alpha_m=alpha_m, beta_m=beta_m)
 
 
@@ -160,7 +169,9 @@ def fit_latency(roofline: RooflineModel, samples: Sequence[LatencySample]) -> La
     under the current fit, refit each branch's (α, β) by linear least squares on its samples (see
     `_fit_branch` for a degenerate branch), and repeat until the assignment no longer changes. This runs
     from every start of `_starts`; every fit visited is scored by its squared error on all samples under
-    the max model, and the lowest wins. Raises ValueError for fewer than 2 samples.
+    the max model, and the lowest wins. β_m is kept >= 0 (with α_m > 0 every fit then predicts a positive
+    latency at s = 1, c = 0, as `LatencyModel` requires, however noisy the samples); β_c is free (a compute
+    branch fitted on large widths may cross zero below them). Raises ValueError for fewer than 2 samples.
     """
     _check_samples(samples, 2, "fitting")
     compute, memory, observed = _roofline_terms(roofline, samples)

@@ -91,6 +91,36 @@ def test_fit_recovers_other_parameters(roofline: RooflineModel, truth: LatencyFi
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
 
 
+KV_HEAVY = ModelShape(
+    num_layers=4, hidden_size=64, num_q_heads=8, num_kv_heads=8, head_dim=128, ffn_size=128, vocab_size=128
+)
+"""Weights of 2.4 MB and 16 KB of KV per cached token: T_mem grows by 44 % between c = 0 and c = 64."""
+
+
+def test_memory_intercept_stays_nonnegative_so_the_fit_is_positive_at_the_origin() -> None:
+    """A memory branch whose least-squares intercept is negative (noisy CPU timings over c = 64, 128) would
+    predict a negative latency at s = 1, c = 0, which LatencyModel rejects; the fit clamps β_m at 0."""
+    roofline = RooflineModel(KV_HEAVY, GPU)
+    at_origin = roofline.memory_seconds(1, 0)
+    at_grid = roofline.memory_seconds(1, 64)
+    assert at_grid > 1.3 * at_origin
+    truth = LatencyFit(alpha_c=1.0, beta_c=-1.0, alpha_m=1.0, beta_m=-0.9 * at_grid)
+    samples = [
+        LatencySample(
+            s=s, c=c, seconds=truth.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
+        )
+        for s in (1, 2, 4, 8, 16)
+        for c in (64, 128)
+    ]
+    assert all(sample.seconds > 0 for sample in samples)
+    with pytest.raises(ValueError, match="must be positive"):
+        LatencyModel(roofline, truth)
+    fit = fit_latency(roofline, samples)
+    assert fit.beta_m == 0.0
+    assert fit.alpha_m > 0
+    assert LatencyModel(roofline, fit).predict(1, 0) > 0
+
+
 def test_fit_with_two_percent_noise_is_close(roofline: RooflineModel) -> None:
     samples = synthetic(roofline, TRUE_FIT, noise=0.02, seed=7)
     fit = fit_latency(roofline, samples)
