@@ -9,6 +9,8 @@ How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
   attributes, so the worker reads the same object. Python callers attach one with `attach_config`.
 - `bastion_sglang.cpu_support`: on a CPU-only torch build, what SGLang needs to import and run there
   (at registration), and a hook on `Scheduler.__init__` that adds BASTION's CPU stand-ins.
+- A hook on `ModelRunner._decode_cuda_graph_runner_cls` gives BASTION's target its own verify graph runner
+  (`bastion_sglang.graphs`: captured with the tree mask, one per width bucket).
 
 This module is the only place where SGLang server arguments are mapped to `BastionConfig`.
 """
@@ -231,6 +233,17 @@ def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs:
     cpu_support.prepare_scheduler_process(server_args)
 
 
+def _verify_graph_runner_class(runner_class: type, model_runner: Any) -> type | None:
+    """AFTER hook of `ModelRunner._decode_cuda_graph_runner_cls()`: BASTION's target model runner captures
+    its verify graphs with `graphs.BastionVerifyGraphRunner` (tree mask; the largest width bucket), every
+    other runner keeps SGLang's class (None)."""
+    if isinstance(model_runner.spec_algorithm, BastionSpecAlgo) and not model_runner.is_draft_worker:
+        from bastion_sglang.graphs import BastionVerifyGraphRunner
+
+        return BastionVerifyGraphRunner
+    return None
+
+
 # ---- the algorithm ---------------------------------------------------------------------------------
 
 
@@ -284,6 +297,23 @@ class BastionSpecAlgo(CustomSpecAlgo):
         from sglang.srt.runtime_context import get_spec
 
         return int(get_spec().speculative_dflash_block_size)
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
+        """KV slots one request writes in a decode step: max(verify width cap N_max + 1, drafter block γ).
+
+        The drafter's block is written at the same slots as the verify rows, so a step needs both. SGLang
+        sizes the per-request decode reserve (2x this, `get_alloc_reserve_per_decode`) and its "does the
+        next decode step fit, else retract" check from this value; the worker's `prepare_for_decode`
+        allocates 2 * max(γ, N_max + 1). With only the width cap here (N_max + 1 < γ), the check
+        under-counted and a full KV pool crashed the scheduler ("Out of memory") instead of retracting.
+        """
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+        width, block = cfg.speculative_num_draft_tokens, cfg.speculative_dflash_block_size
+        if width is None or block is None:  # not resolved yet (handle_server_args sets both)
+            return width
+        return max(int(width), int(block))
 
     def handle_server_args(self, server_args: Any) -> None:
         handle_server_args(server_args)
@@ -400,7 +430,8 @@ def _check_device_and_backend(cfg: Any) -> None:
 
 
 def register_algorithm() -> None:
-    """Register BASTION, its CLI flags and its scheduler-process hook (idempotent within a process)."""
+    """Register BASTION, its CLI flags, its scheduler-process hook and its verify graph runner class
+    (idempotent within a process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
@@ -425,4 +456,9 @@ def register_algorithm() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_init_hook, HookType.BEFORE
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls",
+        _verify_graph_runner_class,
+        HookType.AFTER,
     )

@@ -54,6 +54,8 @@ from bastion_sglang.controller.batched import build_trees_unchecked
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
+from bastion_sglang.graph_buckets import VerifyRows, VerifyShape, pad_verify_rows, planning_widths, real_rows
+from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
 from bastion_sglang.metrics import BastionMetrics, StageTimer, StepTimes, scheduler_metric_labels
 from bastion_sglang.registration import config_of
 from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
@@ -96,8 +98,12 @@ def worker_latency_model(
     target_config: dict[str, Any],
     dtype: torch.dtype,
     device: torch.device,
+    width_buckets: Sequence[int] | None = None,
 ) -> tuple[LatencyModel, StepCosts | None]:
     """The verify-latency model and, from a profile, the fixed step costs (None: measured online).
+
+    width_buckets: the widths verify passes run at (`graph_buckets.planning_widths`: a W between captured
+    CUDA-graph widths costs the width it is padded to); None: every W runs as it is.
 
     `--bastion-profile PATH` loads that profile (a profile measured for another device or model: a warning
     naming both; a corrupt or wrong-version file: ProfileError naming it, so the server refuses to start).
@@ -124,7 +130,9 @@ def worker_latency_model(
         hardware = None
     else:
         hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
-    latency = build_calibrated_latency_model(resolved, target_config, hardware, config.ema_alpha, None)
+    latency = build_calibrated_latency_model(
+        resolved, target_config, hardware, config.ema_alpha, width_buckets
+    )
     return latency, None if resolved.profile is None else resolved.profile.step_costs
 
 
@@ -217,12 +225,15 @@ class BastionWorker(DFlashWorkerV2):
         self._vocab_size = int(self.model_runner.model_config.vocab_size)
         self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
         self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
+        self._graph_widths = planned_graph_widths(torch.device(self.device), self.config.width_buckets)
+        self._verify_graphs = VerifyGraphs({})  # captured in init_cuda_graphs
         self.latency, self._profile_costs = worker_latency_model(
             self.config,
             server_args,
             self.model_runner.model_config.hf_config.to_dict(),
             self.model_runner.model_config.dtype,
             torch.device(self.device),
+            planning_widths(self._graph_widths, self.config.verify_width_cap),
         )
         self._proposer = load_draft_proposer(self.config)
         self._timer = StageTimer(torch.device(self.device))
@@ -244,6 +255,16 @@ class BastionWorker(DFlashWorkerV2):
         )
 
     # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
+
+    def init_cuda_graphs(self) -> None:
+        """SGLang's DFlash drafter graphs, then a target-verify graph runner per width bucket (`graphs`)."""
+        super().init_cuda_graphs()
+        self._verify_graphs = capture_verify_graphs(self.target_worker.model_runner, self._graph_widths)
+        for record, value in (
+            (self._additional_graph_memory_usage, self._verify_graphs.extra_memory_gb),
+            (self._additional_graph_time_usage, self._verify_graphs.capture_seconds),
+        ):
+            record["target_verify"] = record.get("target_verify", 0.0) + value
 
     def _maybe_build_draft_sampler(self) -> None:
         """No in-graph greedy draft sampler: BASTION reads the drafter's hidden states for every token."""
@@ -292,24 +313,30 @@ class BastionWorker(DFlashWorkerV2):
             trees = build_trees_unchecked(top.logprobs, top.token_ids, self.config.max_budget)
             plan = plan_batch(trees, contexts, self.latency, self._step_costs(contexts), self.config.policy)
             width = plan.width
+            shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             if self._metrics is not None:
                 self._metrics.observe_plan(plan.node_counts, plan.expected_accept, self.latency.calibrated)
             rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
             layout = kernels.build_verify_layout(rows, prefix)
-            mask = kernels.flat_custom_mask(layout.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts)))
-            window = prefix[:, None] + self._width_offsets[:width]  # [B, W] req_to_token columns
-            slots = req_to_token[rows_index, window].to(torch.int64)  # [B, W] KV slots of the verify rows
+            verify_rows = pad_verify_rows(rows, layout, shape.width)
+            mask = kernels.flat_custom_mask(
+                verify_rows.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts))
+            )
+            window = prefix[:, None] + self._width_offsets[: shape.width]  # [B, W_v] req_to_token columns
+            slots = req_to_token[rows_index, window].to(torch.int64)  # [B, W_v] KV slots, padding last
             grammar_tree = (
                 GrammarTree.from_device(layout.first_child, layout.next_sibling, rows.tokens)
                 if batch.has_grammar
                 else None
             )
         with self._timer.stage("verify"):
-            target_out = self._verify(batch, rows, layout, mask, slots, width, prefix_cpu)
+            target_out = self._verify(batch, verify_rows, mask, slots, prefix_cpu, shape)
         with self._timer.stage("accept"):
             logits_output = target_out.logits_output
-            # [B * W, V]; contiguous so the in-place adjustments below land in the tensor used after them
-            next_logits = logits_output.next_token_logits[:, : self._vocab_size].contiguous()
+            # [B * W, V] of the real positions; contiguous so the in-place adjustments below land in the
+            # tensor used after them
+            next_logits = real_rows(logits_output.next_token_logits, bs, width)[:, : self._vocab_size]
+            next_logits = next_logits.contiguous()
             sampling_info = batch.sampling_info
             apply_dflash_verify_logits_adjustments(
                 next_token_logits=next_logits, sampling_info=sampling_info, draft_token_num=width
@@ -335,15 +362,16 @@ class BastionWorker(DFlashWorkerV2):
             commit_lens = (accept.accept_length + 1).to(torch.int32)  # [B] tokens emitted
             new_seq_lens = prefix + commit_lens.to(torch.int64)
         with self._timer.stage("commit"):
-            compacted = slots.gather(1, order)
-            req_to_token[rows_index, window] = compacted.to(req_to_token.dtype)
-            hidden = logits_output.hidden_states.view(bs, width, -1)
+            real_window = window[:, :width]  # [B, W]: padding slots stay uncommitted in the reserve
+            compacted = slots[:, :width].gather(1, order)
+            req_to_token[rows_index, real_window] = compacted.to(req_to_token.dtype)
+            hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
             path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
             self._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
                 cache_loc=compacted.reshape(-1),
                 cache_loc_2d=compacted,
-                positions=window.reshape(-1),
+                positions=real_window.reshape(-1),
                 commit_lens=commit_lens,
             )
             logits_output.hidden_states = None
@@ -353,7 +381,7 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 logits_output.next_token_logits = chain_logits.reshape(bs * width, -1)
                 compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=width)
-        self._observe(self._timer.finish_step(([width] * bs, contexts, plan.estimated_verify_seconds)))
+        self._observe(self._timer.finish_step(([shape.width] * bs, contexts, plan.estimated_verify_seconds)))
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -429,17 +457,18 @@ class BastionWorker(DFlashWorkerV2):
     def _verify(
         self,
         batch: ScheduleBatch,
-        rows: kernels.TreeBatch,
-        layout: kernels.VerifyLayout,
+        rows: VerifyRows,
         mask: torch.Tensor,
         slots: torch.Tensor,
-        width: int,
         prefix_cpu: torch.Tensor,
+        shape: VerifyShape,
     ) -> GenerationBatchResult:
-        """The target's TARGET_VERIFY forward over the verify rows [B, W] at `slots` [B, W]."""
+        """The target's TARGET_VERIFY forward over the verify rows [B, W_v] at `slots` [B, W_v], through the
+        graph captured at W_v when `shape` says so (SGLang's `can_run_graph` has the last word)."""
+        width = rows.width
         verify_input = BastionVerifyInput(
             draft_token=rows.tokens.reshape(-1),
-            positions=layout.positions.reshape(-1),
+            positions=rows.positions.reshape(-1),
             draft_token_num=width,
             custom_mask=mask,
         )
@@ -447,11 +476,14 @@ class BastionWorker(DFlashWorkerV2):
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         batch.seq_lens_cpu = prefix_cpu + width  # host bound: prefix plus this pass's tokens
         batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = saved
-        result = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True
-        )
+        with self._verify_graphs.installed(self.target_worker.model_runner, shape):
+            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+            result = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True
+            )
+        if result.can_run_cuda_graph:
+            self._verify_graphs.note_replay(width, len(prefix_cpu))
         processor = self._target_logits_processor
         logits = result.logits_output.next_token_logits
         if processor is not None and processor.is_deferred_shard(logits):

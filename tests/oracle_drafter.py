@@ -12,11 +12,17 @@ With a decoy gap g (in the JSON: "decoy_gap"), every position also boosts a wron
 the reference token has probability ~e^g / (1 + e^g) per position. Best-first order then interleaves
 the decoys with the reference path (e.g. ref1, decoy1, ref1·ref2, ...): the accepted path is not a
 prefix of the verify row, so a mask that let a node see a non-ancestor would change the target's logits.
+
+With a record directory (in the JSON: "record_dir", "record_prompts"), each call first saves the drafter's
+own logits (before any boost) of the requests whose prompt is listed, as `load_records` reads them: what
+the drafter predicted from its KV at each step, to compare between Engines.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,12 +36,23 @@ BOOST = 30.0
 class OracleProposer:
     """DraftProposer that boosts the reference continuation (see the module docstring)."""
 
-    def __init__(self, references: dict[tuple[int, ...], list[int]], decoy_gap: float | None) -> None:
+    def __init__(
+        self,
+        references: dict[tuple[int, ...], list[int]],
+        decoy_gap: float | None,
+        record_dir: Path | None = None,
+        record_prompts: frozenset[tuple[int, ...]] = frozenset(),
+    ) -> None:
         self._references = references
         self._decoy_gap = decoy_gap
+        self._record_dir = record_dir
+        self._record_prompts = record_prompts
+        self._calls = itertools.count()
 
     def __call__(self, reqs: Sequence[Any], draft_logits: torch.Tensor) -> torch.Tensor:
         """reqs: B SGLang requests; draft_logits: [B, D, V]. Returns [B, D, V] boosted logits."""
+        if self._record_dir is not None:
+            self._record(reqs, draft_logits)
         boosted = draft_logits.clone()
         depth = draft_logits.shape[1]
         for b, req in enumerate(reqs):
@@ -53,18 +70,33 @@ class OracleProposer:
                     boosted[b, rows, decoy] += BOOST - self._decoy_gap
         return boosted
 
+    def _record(self, reqs: Sequence[Any], draft_logits: torch.Tensor) -> None:
+        """Save [n, D, V] raw logits of the listed requests with their (prompt, tokens emitted) keys."""
+        assert self._record_dir is not None
+        picked = [b for b, req in enumerate(reqs) if tuple(req.origin_input_ids) in self._record_prompts]
+        if not picked:
+            return
+        keys = [(list(reqs[b].origin_input_ids), len(reqs[b].output_ids)) for b in picked]
+        name = f"{os.getpid()}-{next(self._calls):06d}.pt"
+        torch.save({"keys": keys, "logits": draft_logits[picked].float().cpu()}, self._record_dir / name)
+
 
 def write_references(
     path: Path,
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     decoy_gap: float | None = None,
+    record_dir: Path | None = None,
+    record_prompts: Sequence[Sequence[int]] = (),
 ) -> Path:
-    """Store a reference run (prompt ids and output ids, same order) and the decoy gap for `make_oracle`."""
+    """Store a reference run (prompt ids and output ids, same order), the decoy gap and where to record the
+    raw drafter logits of `record_prompts` (None: no recording) for `make_oracle`."""
     data = {
         "prompts": [list(p) for p in prompts],
         "outputs": [list(o) for o in outputs],
         "decoy_gap": decoy_gap,
+        "record_dir": None if record_dir is None else str(record_dir),
+        "record_prompts": [list(p) for p in record_prompts],
     }
     path.write_text(json.dumps(data))
     return path
@@ -74,4 +106,22 @@ def make_oracle(path: str) -> OracleProposer:
     """The seam's factory: read the reference run written by `write_references`."""
     data = json.loads(Path(path).read_text())
     references = {tuple(p): list(o) for p, o in zip(data["prompts"], data["outputs"], strict=True)}
-    return OracleProposer(references, data["decoy_gap"])
+    record_dir = data.get("record_dir")
+    return OracleProposer(
+        references,
+        data["decoy_gap"],
+        None if record_dir is None else Path(record_dir),
+        frozenset(tuple(p) for p in data.get("record_prompts", [])),
+    )
+
+
+def load_records(record_dir: Path) -> dict[tuple[tuple[int, ...], int], torch.Tensor]:
+    """The raw drafter logits saved in `record_dir`: (prompt, tokens emitted before the step) -> [D, V]."""
+    records: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    for path in sorted(record_dir.glob("*.pt")):
+        saved = torch.load(path)
+        for (prompt, emitted), logits in zip(saved["keys"], saved["logits"], strict=True):
+            key = (tuple(prompt), int(emitted))
+            assert key not in records, f"two drafter passes recorded for {key[1]} emitted tokens"
+            records[key] = logits
+    return records

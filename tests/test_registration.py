@@ -106,6 +106,27 @@ def test_spec_class_answers_what_the_scheduler_asks() -> None:
     assert algorithm.has_draft_kv() and algorithm.supports_target_verify_for_draft()
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "draft", "bastion_runner"),
+    [("BASTION", False, True), ("BASTION", True, False), ("EAGLE", False, False), (None, False, False)],
+)
+def test_only_the_bastion_target_captures_with_the_bastion_verify_graph_runner(
+    algorithm: str | None, draft: bool, bastion_runner: bool
+) -> None:
+    """SGLang builds decode graph runners through `ModelRunner._decode_cuda_graph_runner_cls`; the plugin's
+    hook gives BASTION's target runner (not its drafter, not other algorithms) the tree-masked runner."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    from bastion_sglang.graphs import BastionVerifyGraphRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the two attributes the method reads are set
+    runner.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
+    runner.is_draft_worker = draft
+    expected = BastionVerifyGraphRunner if bastion_runner else DecodeCudaGraphRunner
+    assert runner._decode_cuda_graph_runner_cls() is expected
+
+
 def test_cli_flags_build_the_config_and_travel_with_the_record(models: dict[str, Path]) -> None:
     server_args = prepare_server_args(
         _argv(

@@ -25,11 +25,10 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import write_references  # noqa: E402
-from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
 
-from bastion_sglang.config import BastionConfig  # noqa: E402
-from bastion_sglang.registration import attach_config, make_config  # noqa: E402
+from bastion_sglang.registration import make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,6 @@ MAX_NEW_TOKENS = 32
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 SHORT_LENGTHS = (1, 2, 3)
 STOP_CASES = 2  # requests with a stop string cut from their reference text
-VOCAB_SIZE = 260  # the tokenizer's own ids only: outputs decode to text with ASCII in it
 SAMPLED = {
     "temperature": 0.8,
     "top_p": 0.9,
@@ -77,35 +75,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("bastion_engine")
-    target = make_tiny_target(root / "target", vocab_size=VOCAB_SIZE, initializer_range=0.1)
-    drafter = make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2])
-    return target, drafter
-
-
-def _server_args(models: tuple[Path, Path], config: BastionConfig | None) -> Any:
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()
-    target, drafter = models
-    kwargs: dict[str, Any] = dict(
-        model_path=str(target),
-        device="cpu",
-        attention_backend="torch_native",
-        disable_cuda_graph=True,
-        dtype="float32",
-        max_total_tokens=8192,
-        mem_fraction_static=0.05,
-        random_seed=0,
-        log_level="error",
-    )
-    if config is not None:
-        kwargs |= dict(speculative_algorithm="BASTION", speculative_draft_model_path=str(drafter))
-    server_args = ServerArgs(**kwargs)
-    if config is not None:
-        attach_config(server_args, config)
-    return server_args
+    return make_model_pair(tmp_path_factory.mktemp("bastion_engine"))
 
 
 def _stops_from(greedy: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -186,7 +156,7 @@ def _run(server_args: Any, stops: Stops | None, sample: bool) -> tuple[Run, Stop
 @pytest.fixture(scope="module")
 def reference_run(models: tuple[Path, Path]) -> tuple[Run, Stops]:
     """The Engine without speculation, and the stop strings cut from its texts."""
-    return _run(_server_args(models, None), None, sample=False)
+    return _run(engine_server_args(models, None), None, sample=False)
 
 
 @pytest.fixture(scope="module")
@@ -224,13 +194,13 @@ def bastion(
         )
     else:
         config = make_config(max_budget=8, policy=name, topk=4)
-    yield name, _run(_server_args(models, config), stops, sample=True)[0]
+    yield name, _run(engine_server_args(models, config), stops, sample=True)[0]
 
 
 def test_greedy_batch_equals_no_speculation(bastion: tuple[str, Run], reference: Run) -> None:
     name, run = bastion
     for i, (got, want) in enumerate(zip(run.greedy, reference.greedy, strict=True)):
-        assert got == want, f"{name}: prompt {i} diverges at token {_first_difference(got, want)}"
+        assert got == want, f"{name}: prompt {i} diverges at token {first_difference(got, want)}"
 
 
 def test_speculation_ran(bastion: tuple[str, Run]) -> None:
@@ -268,9 +238,3 @@ def test_sampling_with_seed_completes(bastion: tuple[str, Run]) -> None:
     assert run.sampled is not None
     assert [len(ids) for ids in run.sampled] == [MAX_NEW_TOKENS] * 4
     assert all(0 <= token < VOCAB_SIZE for ids in run.sampled for token in ids)
-
-
-def _first_difference(got: list[int], want: list[int]) -> int:
-    return next(
-        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
-    )

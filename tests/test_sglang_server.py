@@ -8,12 +8,6 @@ BASTION's Prometheus series appear on `/metrics` with SGLang's labels.
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +18,7 @@ import pytest
 pytest.importorskip("sglang")
 requests = pytest.importorskip("requests")
 
+from sglang_server import CPU_FLAGS, hf_greedy, launch_server, metric_values  # noqa: E402
 from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -32,12 +27,6 @@ PROMPTS = [list(b"hello world"), list(b"the quick brown fox"), list(b"BASTION se
 MAX_NEW_TOKENS = 16
 FIXED_NODES = 3
 STARTUP_SECONDS = 400
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -55,46 +44,20 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(models: tuple[Path, Path], server_log: Path) -> Iterator[str]:
     target, drafter = models
-    port = _free_port()
-    log = server_log
-    command = [
-        sys.executable, "-m", "sglang.launch_server",
+    args = [
         "--model-path", str(target),
         "--speculative-algorithm", "BASTION",
         "--speculative-draft-model-path", str(drafter),
-        "--device", "cpu",
-        "--attention-backend", "torch_native",
-        "--disable-cuda-graph",
-        "--dtype", "float32",
+        *CPU_FLAGS,
         "--mem-fraction-static", "0.05",
         "--max-total-tokens", "8192",
         "--enable-metrics",
-        "--host", "127.0.0.1",
-        "--port", str(port),
         "--bastion-max-budget", str(FIXED_NODES),
         "--bastion-policy", f"fixed:{FIXED_NODES}",
         "--bastion-topk", "2",
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health_generate", timeout=30).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {STARTUP_SECONDS} s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+    with launch_server(args, server_log, startup_seconds=STARTUP_SECONDS) as running:
+        yield running.url
 
 
 @pytest.fixture(scope="module")
@@ -111,35 +74,14 @@ def greedy(server: str) -> list[list[int]]:
     return [out["output_ids"] for out in response.json()]
 
 
-def _hf_greedy(target: Path) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 def test_greedy_over_http_equals_hugging_face(greedy: list[list[int]], models: tuple[Path, Path]) -> None:
-    assert greedy == _hf_greedy(models[0])
-
-
-def _metric_values(text: str, name: str) -> list[tuple[str, float]]:
-    """(label block, value) of every sample of `name` in a Prometheus text exposition."""
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
-    return [(labels or "", float(value)) for labels, value in pattern.findall(text)]
+    assert greedy == hf_greedy(models[0], PROMPTS, MAX_NEW_TOKENS)
 
 
 def test_metrics_show_the_cli_budget_and_sglang_labels(server: str, greedy: list[list[int]]) -> None:
     text = requests.get(f"{server}/metrics", timeout=60).text
-    (labels, count), *_ = _metric_values(text, "sglang:bastion_tree_nodes_count")
-    (_, total), *_ = _metric_values(text, "sglang:bastion_tree_nodes_sum")
+    (labels, count), *_ = metric_values(text, "sglang:bastion_tree_nodes_count")
+    (_, total), *_ = metric_values(text, "sglang:bastion_tree_nodes_sum")
     assert count > 0
     assert total == FIXED_NODES * count, "fixed:3 from the command line must verify 3 nodes every time"
     assert 'model_name="' in labels and 'tp_rank="0"' in labels
@@ -150,16 +92,16 @@ def test_metrics_show_the_cli_budget_and_sglang_labels(server: str, greedy: list
         "sglang:bastion_verify_seconds_observed_count",
         "sglang:bastion_uncalibrated_steps_total",
     ):
-        samples = _metric_values(text, name)
+        samples = metric_values(text, name)
         assert samples and samples[0][1] > 0, f"{name} missing or zero"
-    (_, factor), *_ = _metric_values(text, "sglang:bastion_latency_ema_factor")
+    (_, factor), *_ = metric_values(text, "sglang:bastion_latency_ema_factor")
     assert factor > 0
-    (_, accepted_sum), *_ = _metric_values(text, "sglang:bastion_accept_length_sum")
+    (_, accepted_sum), *_ = metric_values(text, "sglang:bastion_accept_length_sum")
     # Every decode step commits >= 1 token per request; the prefill emits each request's first token.
     assert accepted_sum >= len(PROMPTS) * (MAX_NEW_TOKENS - 1)
     # One sample per request per step in each per-request series, one per verify pass in each pass series.
     per_request = {
-        name: _metric_values(text, name)[0][1]
+        name: metric_values(text, name)[0][1]
         for name in (
             "sglang:bastion_tree_nodes_count",
             "sglang:bastion_expected_accept_length_count",
@@ -167,9 +109,9 @@ def test_metrics_show_the_cli_budget_and_sglang_labels(server: str, greedy: list
         )
     }
     assert len(set(per_request.values())) == 1, per_request
-    (_, estimated), *_ = _metric_values(text, "sglang:bastion_verify_seconds_estimated_count")
-    (_, observed), *_ = _metric_values(text, "sglang:bastion_verify_seconds_observed_count")
-    (_, uncalibrated), *_ = _metric_values(text, "sglang:bastion_uncalibrated_steps_total")
+    (_, estimated), *_ = metric_values(text, "sglang:bastion_verify_seconds_estimated_count")
+    (_, observed), *_ = metric_values(text, "sglang:bastion_verify_seconds_observed_count")
+    (_, uncalibrated), *_ = metric_values(text, "sglang:bastion_uncalibrated_steps_total")
     assert estimated == observed == uncalibrated
     assert estimated <= count <= estimated * len(PROMPTS)
 

@@ -1,18 +1,14 @@
 """BASTION in `sglang.launch_server` on CUDA: greedy output equals the non-speculative server.
 
-Backends triton and flashinfer with CUDA graphs on; fixed:N_max verifies at the captured width (graph
-replay), adaptive at varying widths (SGLang falls back to eager for widths it did not capture). Skipped
+Backends triton and flashinfer with CUDA graphs on: BASTION captures a target-verify graph per width bucket
+(`bastion_sglang.graphs`) and pads each step's width up to the next bucket; fixed:N_max verifies at the
+largest bucket, adaptive at varying buckets, and fixed:N with N + 1 between buckets through padding. Skipped
 where SGLang or CUDA is absent.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ requests = pytest.importorskip("requests")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from sglang_server import launch_server  # noqa: E402
 from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
 
 PROMPTS = [list(text.encode()) for text in ("hello world", "the quick brown fox", "abc", "once upon a time")]
@@ -38,54 +35,29 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _generate(
     models: tuple[Path, Path], backend: str, bastion: list[str] | None, log: Path
 ) -> list[list[int]]:
     """Start a server (BASTION when `bastion` lists its flags), send the prompts greedily, stop it."""
     target, drafter = models
-    port = _free_port()
-    command = [
-        sys.executable, "-m", "sglang.launch_server",
+    args = [
         "--model-path", str(target),
         "--attention-backend", backend,
         "--dtype", BACKEND_DTYPES[backend],
         "--mem-fraction-static", "0.3",
         "--cuda-graph-max-bs", "8",
-        "--host", "127.0.0.1",
-        "--port", str(port),
     ]  # fmt: skip
     if bastion is not None:
-        command += [
+        args += [
             "--speculative-algorithm",
             "BASTION",
             "--speculative-draft-model-path",
             str(drafter),
             *bastion,
         ]
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health_generate", timeout=30).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {STARTUP_SECONDS} s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
+    with launch_server(args, log, startup_seconds=STARTUP_SECONDS, stop_seconds=120) as server:
         response = requests.post(
-            f"{url}/generate",
+            f"{server.url}/generate",
             json={
                 "input_ids": PROMPTS,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
@@ -94,9 +66,6 @@ def _generate(
         )
         response.raise_for_status()
         return [out["output_ids"] for out in response.json()]
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=120)
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_DTYPES))
@@ -107,3 +76,30 @@ def test_bastion_equals_no_speculation_on_cuda(
     reference = _generate(models, backend, None, tmp_path / "reference.log")
     flags = ["--bastion-max-budget", "8", "--bastion-policy", policy, "--bastion-topk", "4"]
     assert _generate(models, backend, flags, tmp_path / "bastion.log") == reference
+
+
+GRAPH_REPLAY = re.compile(r"BASTION: first target-verify CUDA graph replay at width (\d+)")
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_DTYPES))
+def test_verify_graphs_at_each_bucket_equal_no_speculation(
+    models: tuple[Path, Path], tmp_path: Path, backend: str
+) -> None:
+    """Buckets 4, 8, 16 with N_max 16: fixed:3 (W = 4) replays the width-4 graph, fixed:10 (W = 11) the
+    width-16 graph with 5 padding positions per request, adaptive whatever it chooses; every output equals
+    the non-speculative server's, and graph replays happened at more than one width."""
+    reference = _generate(models, backend, None, tmp_path / "reference.log")
+    flags = ["--bastion-max-budget", "16", "--bastion-topk", "4", "--bastion-width-buckets", "4,8,16"]
+    replayed: set[int] = set()
+    for policy, expected in (("fixed:3", {4}), ("fixed:10", {16}), ("adaptive", None)):
+        log = tmp_path / f"bastion-{policy.replace(':', '-')}.log"
+        assert _generate(models, backend, [*flags, "--bastion-policy", policy], log) == reference, policy
+        text = log.read_text(errors="replace")
+        assert "BASTION: target-verify CUDA graphs at widths [4, 8, 16]" in text
+        widths = {int(width) for width in GRAPH_REPLAY.findall(text)}
+        assert widths, f"{policy}: no verify graph replay logged"
+        assert widths <= {4, 8, 16}
+        if expected is not None:
+            assert widths == expected, policy
+        replayed |= widths
+    assert len(replayed) > 1, replayed

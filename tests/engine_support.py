@@ -1,0 +1,66 @@
+"""Shared pieces of the in-process `sglang.Engine` tests (test_sglang_engine.py, test_hardening_engine.py).
+
+`make_model_pair` writes the tiny fp32 Qwen3 target (vocabulary 260, the tokenizer's own ids, so outputs
+decode to text) and its z-lab-format DFlash drafter; `engine_server_args` builds the CPU `ServerArgs` of an
+Engine over that pair, without speculation (config None) or with `--speculative-algorithm BASTION` and the
+given `BastionConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.registration import attach_config
+
+VOCAB_SIZE = 260
+"""The tokenizer's own ids only: every output token decodes to text."""
+
+
+def make_model_pair(root: Path) -> tuple[Path, Path]:
+    """(target, drafter) folders under `root`: a 4-layer random fp32 Qwen3 target with peaky logits
+    (initializer_range 0.1, so greedy argmaxes are rarely near-ties) and a 2-layer DFlash drafter reading
+    target layers 0 and 2."""
+    target = make_tiny_target(root / "target", vocab_size=VOCAB_SIZE, initializer_range=0.1)
+    drafter = make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2])
+    return target, drafter
+
+
+def engine_server_args(models: tuple[Path, Path], config: BastionConfig | None, **overrides: Any) -> Any:
+    """CPU fp32 `ServerArgs` (torch_native attention, no CUDA graphs, 8192 KV tokens, seed 0) for the pair.
+
+    config None: no speculation; else BASTION with the drafter and `config` attached. `overrides` are more
+    ServerArgs fields (e.g. chunked_prefill_size, disable_radix_cache).
+    """
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    target, drafter = models
+    kwargs: dict[str, Any] = dict(
+        model_path=str(target),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        dtype="float32",
+        max_total_tokens=8192,
+        mem_fraction_static=0.05,
+        random_seed=0,
+        log_level="error",
+    )
+    if config is not None:
+        kwargs |= dict(speculative_algorithm="BASTION", speculative_draft_model_path=str(drafter))
+    server_args = ServerArgs(**(kwargs | overrides))
+    if config is not None:
+        attach_config(server_args, config)
+    return server_args
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    """Index of the first differing token of two id lists (the shorter length if one prefixes the other)."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+    )
