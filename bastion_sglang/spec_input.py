@@ -35,13 +35,14 @@ class BastionDraftInput(SpecInput):
 
     `reserve` is the KV headroom each decode step keeps allocated beyond the committed prefix: twice the
     larger of the verify width cap and the drafter block, so a step's draft block and verify window always
-    find their slots (`prepare_for_decode`). Sampling generators are per request so a seeded request draws
-    the same uniforms whatever batch it shares.
+    find their slots (`prepare_for_decode`). The sampling walk's uniforms are a hash of the request's seed and
+    the sequence position (`kernels.position_uniforms`), so a seeded request samples the same tokens
+    whatever batch it shares and whatever trees the controller chooses.
     """
 
     bonus_tokens: torch.Tensor  # [B] int64: root token of the next tree (committed, KV not written)
     new_seq_lens: torch.Tensor  # [B] int64: committed tokens with KV after the step that made this input
-    generators: list[torch.Generator]  # [B] host RNGs for the sampling walk's uniforms
+    seeds: torch.Tensor  # [B] int64: sampling seed per request (its sampling_seed, else drawn)
     reserve: int  # KV slots kept allocated past the committed prefix, per request
 
     def __post_init__(self) -> None:
@@ -56,7 +57,7 @@ class BastionDraftInput(SpecInput):
         return cls(
             bonus_tokens=torch.empty((0,), dtype=torch.int64, device=device),
             new_seq_lens=torch.empty((0,), dtype=torch.int64, device=device),
-            generators=[],
+            seeds=torch.empty((0,), dtype=torch.int64, device=device),
             reserve=reserve,
         )
 
@@ -94,26 +95,16 @@ class BastionDraftInput(SpecInput):
         batch.seq_lens_sum = sum(committed)
 
     def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: list[int] | None = None) -> None:
-        """Keep the rows `new_indices` (device) / `new_indices_cpu` (host) in that order."""
-        keep = (
-            new_indices_cpu if new_indices_cpu is not None else new_indices.tolist()
-        )  # host copy of indices
+        """Keep the rows `new_indices` (device; `new_indices_cpu`, its host copy, is not needed) in order."""
         self.bonus_tokens = self.bonus_tokens[new_indices]
         self.new_seq_lens = self.new_seq_lens[new_indices]
-        self.generators = [self.generators[i] for i in keep]
+        self.seeds = self.seeds[new_indices]
 
     def merge_batch(self, other: BastionDraftInput) -> None:
         """Append the rows of `other` (requests joining the running batch)."""
         self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
         self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
-        self.generators = self.generators + other.generators
-
-    def draw_uniforms(self, width: int, device: torch.device) -> torch.Tensor:
-        """[B, width] float32 uniforms in [0, 1), row b from request b's own generator, on `device`."""
-        if not self.generators:
-            return torch.empty((0, width), dtype=torch.float32, device=device)
-        rows = [torch.rand(width, generator=g, dtype=torch.float32) for g in self.generators]
-        return torch.stack(rows).to(device, non_blocking=True)
+        self.seeds = torch.cat([self.seeds, other.seeds])
 
 
 @dataclass

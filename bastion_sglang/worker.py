@@ -10,7 +10,8 @@ One decode step for a batch of B requests (each with prefix L_b and root = its b
 4. accept: structured-output requests first mask each node's logits by their grammar along the node's
    path (SGLang's `GrammarTree` over the first-child / next-sibling links). T = 0: `kernels.accept_greedy`;
    otherwise `kernels.accept_sampling` on the target's processed distribution (temperature, top-k, top-p,
-   min-p exactly as SGLang's sampler filters them) with per-request uniforms. Emitted: the accepted
+   min-p exactly as SGLang's sampler filters them) with uniforms hashed from the request's seed and the
+   sequence position (`kernels.position_uniforms`: seeded output is batch-invariant). Emitted: the accepted
    nodes' tokens, then the bonus (a target sample).
 5. commit: the accepted nodes' slots are moved to the front of the window by permuting the request's
    slot ids (no KV is copied; the rejected slots stay in the request's reserve), the accepted positions'
@@ -287,7 +288,9 @@ class BastionWorker(DFlashWorkerV2):
             result.next_draft_input = BastionDraftInput(
                 bonus_tokens=result.next_token_ids.to(torch.int64),
                 new_seq_lens=batch.seq_lens.to(torch.int64),
-                generators=[self._generator_for(req) for req in batch.reqs],
+                seeds=torch.tensor(
+                    [self._seed_for(req) for req in batch.reqs], dtype=torch.int64, device=self.device
+                ),
                 reserve=self._reserve,
             )
             return result
@@ -355,7 +358,7 @@ class BastionWorker(DFlashWorkerV2):
                 accept = kernels.accept_greedy(rows, next_logits.view(bs, width, -1))
             else:
                 probs = target_sampling_probs(next_logits, sampling_info, width)
-                uniforms = draft_input.draw_uniforms(width, next_logits.device)
+                uniforms = kernels.position_uniforms(draft_input.seeds, prefix[:, None] + 1 + rows.depths)
                 accept = kernels.accept_sampling(rows, probs, uniforms)
             order = compaction_order(accept.accept_index, accept.accept_length)
             out_tokens = committed_tokens(rows.tokens, order, accept)
@@ -391,7 +394,7 @@ class BastionWorker(DFlashWorkerV2):
             next_draft_input=BastionDraftInput(
                 bonus_tokens=accept.bonus_tokens,
                 new_seq_lens=new_seq_lens,
-                generators=draft_input.generators,
+                seeds=draft_input.seeds,
                 reserve=self._reserve,
             ),
             speculative_num_draft_tokens=width,
@@ -492,12 +495,13 @@ class BastionWorker(DFlashWorkerV2):
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
-    def _generator_for(self, req: Req) -> torch.Generator:
-        """Host RNG of the request's sampling walk: seeded by its sampling_seed, else by the server seed."""
+    def _seed_for(self, req: Req) -> int:
+        """Seed of the request's sampling walk: its sampling_seed, else one drawn from the server seed; as
+        a two's-complement int64."""
         seed = req.sampling_params.sampling_seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._seed_source))
-        return torch.Generator().manual_seed(seed)
+        return (int(seed) + 2**63) % 2**64 - 2**63
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """SGLang's hook once a step's accepted counts are on the host: the realised accept lengths."""

@@ -367,6 +367,8 @@ def run_pair(
         outputs[policy] = [engine.generate(prompt, max_new_tokens, policy=policy) for prompt in prompts]
         synchronize(device)
         walls[policy] = time.perf_counter() - start
+        new_tokens = sum(len(result.tokens) for result in outputs[policy])
+        print(f"{policy}: {new_tokens} new tokens in {walls[policy]:.1f} s", flush=True)
     ar_rate = sum(len(result.tokens) for result in outputs["ar"]) / walls["ar"]
     runs = []
     for policy in policies:

@@ -8,7 +8,8 @@ on that path, so importing this package never needs a GPU driver.
 
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
 `build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify ->
-`accept_greedy` / `accept_sampling` -> `accepted_kv_moves` -> `apply_kv_moves`.
+`accept_greedy` / `accept_sampling` (uniforms from `position_uniforms`) -> `accepted_kv_moves` ->
+`apply_kv_moves`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "build_verify_layout",
     "flat_custom_mask",
     "flatten_trees",
+    "position_uniforms",
     "sample_tokens",
     "topk_logprobs",
     "tree_attention",
@@ -150,6 +152,20 @@ def accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> AcceptResult
     """
     checks.check_accept_greedy(trees, target_logits)
     return _accept_walk_unchecked(trees, torch.argmax(target_logits, dim=-1))
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The sampling walk's uniforms: [B, W] float32 in [0, 1), a hash of (seeds[b], positions[b, j]).
+
+    seeds: [B] int64, one per request. positions: [B, W] int64, the sequence position of the token each
+    tree position samples (ctx_len + 1 + depth). Nodes at one depth share their uniform; the walk visits
+    one node per depth, so the tokens it emits use distinct positions' independent uniforms, and the
+    token emitted at a position is the inverse-CDF sample of the target's distribution there with that
+    position's uniform: the same whatever tree, budget or batch produced it (seeded runs are
+    batch-invariant). Plain elementwise torch on every device.
+    """
+    checks.check_position_uniforms(seeds, positions)
+    return reference.position_uniforms(seeds, positions)
 
 
 def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

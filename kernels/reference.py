@@ -253,6 +253,34 @@ def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(dim=-1), first_hit, last_positive)
 
 
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as two's-complement int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic): a bijection of the 64-bit words."""
+    x = (x ^ _shift_right_logical(x, 30)) * _MIX_1
+    x = (x ^ _shift_right_logical(x, 27)) * _MIX_2
+    return x ^ _shift_right_logical(x, 31)
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniforms: u[b, j] = hash(seeds[b], positions[b, j]) in [0, 1), float32.
+
+    seeds: [B] int64. positions: [B, W] int64 (any values). Returns [B, W] float32 multiples of 2^-24.
+    splitmix64 of the seed, xor the position, splitmix64 again; the top 24 bits are the uniform. For one
+    seed, distinct positions hash distinct words (both steps are bijections), so a stream never repeats
+    a draw; equal (seed, position) give equal uniforms on every device and in every batch.
+    """
+    keyed = _mix64(_mix64(seeds + _GOLDEN_GAMMA)[:, None] ^ positions)
+    return _shift_right_logical(keyed, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
 def tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:

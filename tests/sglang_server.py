@@ -123,16 +123,21 @@ def metric_total(url: str, name: str) -> float:
 
 
 def hf_greedy(target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of `prompts` (one at a time, EOS ignored) by Hugging Face `generate()` on the
-    fp32 target folder: what a server without speculation returns for them."""
+    """Greedy continuations of `prompts` (one at a time) by the Hugging Face model on the fp32 target folder:
+    what a server without speculation returns for them with ignore_eos. The argmax runs over the whole
+    vocabulary, EOS included: SGLang's ignore_eos only keeps going after an EOS, whereas `generate()`'s
+    min_new_tokens would mask EOS and pick the runner-up."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
     outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
-        out = model.generate(
-            ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
+    with torch.no_grad():
+        for prompt in prompts:
+            step_ids, cache, tokens = torch.tensor([list(prompt)]), None, []
+            for _ in range(max_new_tokens):
+                result = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+                cache = result.past_key_values
+                tokens.append(int(result.logits[0, -1].argmax()))
+                step_ids = torch.tensor([[tokens[-1]]])
+            outputs.append(tokens)
     return outputs

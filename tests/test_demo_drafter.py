@@ -6,15 +6,17 @@ into a temporary cache by the `demo_target` plugin), and on 8 held-out prompts (
 never seen in training) at T = 0 with MAX_NEW_TOKENS new tokens each, one batch:
 - the chain policy (DFlash's single path of 15 drafted tokens) accepts more than CHAIN_TAU_FLOOR tokens per
   verify pass on average (bonus included), well above the 1.0 of an untrained drafter;
-- best-first trees of 64 nodes (`fixed:64`) accept more per verify pass than the chain.
-The adaptive policy runs too and its τ is printed: on CPU it maximises the estimated speedup with small trees
-(verify cost rises steeply with width on a CPU), so its τ is not asserted against the chain's.
+- best-first trees of 64 nodes (`fixed:64`) accept more per verify pass than the chain;
+- the adaptive policy, planning with a GPU-shaped latency profile (the Qwen3-8B / H100 calibrated roofline of
+  tests/calibration_profiles.py, where a verify pass costs nearly the same from 1 to a few hundred tokens;
+  the EMA nearly frozen, α = 1e-6, so the CPU's own timings do not reshape it), grows trees and accepts more
+  per verify pass than the chain. With a CPU profile it would rightly choose small trees (verify cost rises
+  steeply with width on a CPU), which says nothing about its τ.
 τ = completion tokens / verify passes, summed over the requests (SGLang's `spec_verify_ct`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,8 +24,11 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+from calibration_profiles import make_profile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from bastion_sglang.config import BastionConfig  # noqa: E402
+from bastion_sglang.controller.profile import save_profile  # noqa: E402
 from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
 from bastion_sglang.registration import attach_config, make_config  # noqa: E402
 from bastion_sglang.training.data import chat_prompt_ids, load_prompts  # noqa: E402
@@ -53,8 +58,8 @@ def prompts(target: Path) -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, prompt) for prompt in chosen]
 
 
-def _tau(target: Path, prompts: list[list[int]], policy: str) -> float:
-    """Mean accepted length of one greedy batch through an Engine running BASTION with `policy`."""
+def _tau(target: Path, prompts: list[list[int]], name: str, config: BastionConfig) -> float:
+    """Mean accepted length of one greedy batch through an Engine running BASTION with `config`."""
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
@@ -73,7 +78,7 @@ def _tau(target: Path, prompts: list[list[int]], policy: str) -> float:
         random_seed=0,
         log_level="error",
     )
-    attach_config(server_args, make_config(policy=policy))
+    attach_config(server_args, config)
     engine = Engine(server_args=server_args)
     try:
         outputs = engine.generate(
@@ -85,13 +90,22 @@ def _tau(target: Path, prompts: list[list[int]], policy: str) -> float:
     completion = sum(out["meta_info"]["completion_tokens"] for out in outputs)
     passes = sum(out["meta_info"]["spec_verify_ct"] for out in outputs)
     assert completion == MAX_NEW_TOKENS * len(prompts)
-    print(f"{policy}: tau {completion / passes:.3f} ({completion} tokens, {passes} verify passes)")
+    print(f"{name}: tau {completion / passes:.3f} ({completion} tokens, {passes} verify passes)")
     return completion / passes
 
 
 @pytest.fixture(scope="module")
-def taus(target: Path, prompts: list[list[int]]) -> Iterator[dict[str, float]]:
-    yield {policy: _tau(target, prompts, policy) for policy in ("chain", "fixed:64", "adaptive")}
+def taus(
+    target: Path, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, float]:
+    gpu_profile = tmp_path_factory.mktemp("profile") / "qwen3-8b-h100.json"
+    save_profile(make_profile(), gpu_profile)
+    configs = {
+        "chain": make_config(policy="chain"),
+        "fixed:64": make_config(policy="fixed:64"),
+        "adaptive": make_config(policy="adaptive", profile=str(gpu_profile), ema_alpha=1e-6),
+    }
+    return {name: _tau(target, prompts, name, config) for name, config in configs.items()}
 
 
 def test_committed_drafter_fits_the_size_budget_and_the_target(target: Path) -> None:
@@ -108,3 +122,7 @@ def test_chain_accepts_more_than_the_floor(taus: dict[str, float]) -> None:
 
 def test_trees_accept_more_than_the_chain(taus: dict[str, float]) -> None:
     assert taus["fixed:64"] > taus["chain"]
+
+
+def test_adaptive_with_a_gpu_profile_accepts_more_than_the_chain(taus: dict[str, float]) -> None:
+    assert taus["adaptive"] > taus["chain"]

@@ -95,7 +95,14 @@ TURN_TOKENS = 64
 
 GREEDY_LONG = {"temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}
 GREEDY_MID = {"temperature": 0.0, "max_new_tokens": MID, "ignore_eos": True}
-SAMPLED_MID = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.02, "max_new_tokens": MID}
+SAMPLED_MID = {
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 50,
+    "min_p": 0.02,
+    "max_new_tokens": MID,
+    "ignore_eos": True,
+}
 SEEDED = {"temperature": SEEDED_TEMPERATURE, "min_p": MIN_P, "max_new_tokens": MID, "ignore_eos": True}
 LOGPROBS = {"return_logprob": True, "top_logprobs_num": 5, "token_ids_logprob": TOKEN_IDS}
 

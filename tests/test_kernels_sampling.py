@@ -10,8 +10,16 @@ from fractions import Fraction
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
-from bastion_sglang.kernels import AcceptResult, TreeBatch, accept_greedy, accept_sampling, sample_tokens
+from bastion_sglang.kernels import (
+    AcceptResult,
+    TreeBatch,
+    accept_greedy,
+    accept_sampling,
+    position_uniforms,
+    sample_tokens,
+)
 
 # ---------------------------------------------------------------- sample_tokens
 
@@ -86,6 +94,74 @@ def test_sample_tokens_rejects_bad_inputs():
         sample_tokens(torch.ones(2, 4), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="probs must have a vocabulary of at least one token, got V = 0"):
         sample_tokens(torch.ones(2, 0), torch.zeros(2))
+
+
+# ---------------------------------------------------------------- position_uniforms
+
+WORD = (1 << 64) - 1
+CHI_SQUARE_P_THRESHOLD = 1e-4
+
+
+def splitmix64_finaliser(x: int) -> int:
+    """The splitmix64 finaliser on Python ints modulo 2^64 (the exact arithmetic the int64 ops wrap to)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & WORD
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & WORD
+    return x ^ (x >> 31)
+
+
+def exact_uniform(seed: int, position: int) -> float:
+    keyed = splitmix64_finaliser(splitmix64_finaliser((seed + 0x9E3779B97F4A7C15) & WORD) ^ (position & WORD))
+    return (keyed >> 40) / (1 << 24)
+
+
+def test_position_uniforms_equal_exact_integer_hash():
+    """Seeds and positions across the whole int64 range (negative, extreme, wrapping sums) against the hash
+    computed on unbounded Python ints."""
+    rng = random.Random(3)
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 12345] + [rng.randrange(-(2**63), 2**63) for _ in range(10)]
+    positions = [[0, 1, 2, 2**40, -5] + [rng.randrange(0, 2**20) for _ in range(3)] for _ in seeds]
+    out = position_uniforms(torch.tensor(seeds), torch.tensor(positions))
+    assert out.dtype == torch.float32 and out.shape == (len(seeds), 8)
+    expected = [[exact_uniform(s, p) for p in row] for s, row in zip(seeds, positions, strict=True)]
+    assert out.tolist() == expected
+
+
+def test_position_uniforms_are_uniform_and_adjacent_positions_independent():
+    """One seed over 200,000 consecutive positions: 64-bin chi-square, and 8 x 8 bins of (u_p, u_p+1); 64
+    seeds at one position likewise; every p-value must exceed the threshold."""
+    count = 200_000
+    stream = position_uniforms(torch.tensor([7]), torch.arange(count)[None])[0].double()
+    assert float(stream.min()) >= 0.0 and float(stream.max()) < 1.0
+    bins = torch.bincount((stream * 64).long(), minlength=64).tolist()
+    pairs = torch.bincount((stream[:-1] * 8).long() * 8 + (stream[1:] * 8).long(), minlength=64).tolist()
+    across = position_uniforms(torch.arange(count), torch.zeros(count, 1, dtype=torch.int64))[:, 0].double()
+    across_bins = torch.bincount((across * 64).long(), minlength=64).tolist()
+    p_values = [chisquare(counts).pvalue for counts in (bins, pairs, across_bins)]
+    print(f"position_uniforms chi-square p-values (stream, pairs, across seeds): {p_values}")
+    assert min(p_values) > CHI_SQUARE_P_THRESHOLD
+
+
+def test_position_uniforms_depend_only_on_seed_and_position():
+    seeds = torch.tensor([5, 9, 5])
+    positions = torch.tensor([[10, 11, 11, 12], [10, 11, 11, 12], [12, 11, 10, 10]])
+    out = position_uniforms(seeds, positions)
+    assert out[0, 1] == out[0, 2] and out[0, 0] != out[0, 1]
+    assert out[2].tolist() == [out[0, 3].item(), out[0, 1].item(), out[0, 0].item(), out[0, 0].item()]
+    assert out[1, 0] != out[0, 0]
+    alone = position_uniforms(seeds[1:2], positions[1:2])
+    assert torch.equal(alone[0], out[1])
+
+
+def test_position_uniforms_reject_bad_inputs():
+    seeds, positions = torch.tensor([1, 2]), torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="seeds must be int64"):
+        position_uniforms(seeds.int(), positions)
+    with pytest.raises(ValueError, match=r"seeds must be \[B\]"):
+        position_uniforms(seeds[None], positions)
+    with pytest.raises(ValueError, match=r"positions must be \[B, W\] with B = 2"):
+        position_uniforms(seeds, positions[:1])
+    with pytest.raises(ValueError, match="positions must be int64"):
+        position_uniforms(seeds, positions.float())
 
 
 # ---------------------------------------------------------------- accept_sampling: losslessness

@@ -20,7 +20,8 @@ Checks, for the first three output tokens:
    target joint must give p > 1e-4 (scipy.stats.chisquare, cells of zero target probability must be empty);
    a negative control, a walk that accepts a draft child with the target's probability of its token and
    otherwise samples the bonus from the unmodified target (no rejection correction), must give p < 1e-4;
-3. seeded sampling: the batched kernel equals each row run alone with the same per-row seeds.
+3. seeded sampling with the worker's uniforms (a hash of seed and sequence position): whatever the drafter
+   (tree) and the batch, the walk emits exactly the tokens plain decoding samples with those uniforms.
 Statistics print with `pytest -s`.
 """
 
@@ -44,6 +45,7 @@ from bastion_sglang.kernels import (
     accept_sampling,
     build_verify_layout,
     flatten_trees,
+    position_uniforms,
     sample_tokens,
     topk_logprobs,
 )
@@ -394,52 +396,78 @@ def test_chi_square_of_three_tokens_passes_for_kernel_and_fails_for_biased_walk(
     assert bad_pvalue < P_VALUE_THRESHOLD
 
 
-# ---------------------------------------------------------------- seeded sampling: batched = per row
+# ---------------------------------------------------------------- seeded sampling: batch- and tree-invariant
 
 
-def test_seeded_batch_equals_each_row_alone() -> None:
-    """8 requests with different contexts, drafters, temperatures (0.5, 1, 2) and seeds, 6 steps each:
-    per step the batched `accept_sampling` (uniforms drawn row by row from per-request generators, as
-    BastionDraftInput.draw_uniforms does) equals each row run alone from an identically seeded generator,
-    and a reversed batch gives the reversed rows; the runs emit at least one accepted draft token."""
-    starts: list[Context] = [(), (0,), (1,), (2, 3), (4,), (3, 1), (1, 1), (0, 2)]
-    kinds = [DRAFTS[r % len(DRAFTS)] for r in range(len(starts))]
-    temperatures = [0.5, 1.0, 2.0, 1.0, 0.5, 2.0, 1.0, 0.5]
-    seeds = [100 + 7 * r for r in range(len(starts))]
-    batched_gens = [torch.Generator().manual_seed(s) for s in seeds]
-    alone_gens = [torch.Generator().manual_seed(s) for s in seeds]
-    reversed_gens = [torch.Generator().manual_seed(s) for s in reversed(seeds)]
-    contexts = list(starts)
-    accepted = 0
-    for _ in range(6):
-        trees = [step_tree(kind, context) for kind, context in zip(kinds, contexts, strict=True)]
-        probs = torch.stack([t.probs ** (1.0 / temp) for t, temp in zip(trees, temperatures, strict=True)])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+def tempered(probs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """probs^(1/T), renormalised over the last axis (float64)."""
+    weights = probs ** (1.0 / temperature)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def sequential_sample(context: Context, seed: int, temperature: float, count: int) -> Context:
+    """`count` tokens of plain decoding: the token at sequence index i is the inverse-CDF sample of the
+    tempered target after the tokens before it, with the uniform `position_uniforms(seed, i)`."""
+    out = context
+    for _ in range(count):
+        probs = tempered(torch.tensor([target_probs(out)], dtype=torch.float64), temperature)
+        uniform = position_uniforms(torch.tensor([seed]), torch.tensor([[len(out)]]))[0]
+        out = (*out, int(sample_tokens(probs, uniform)[0]))
+    return out[len(context) :]
+
+
+def walk_with_position_uniforms(
+    requests: list[tuple[Context, int, float, str]], count: int
+) -> tuple[list[Context], list[int]]:
+    """Decode every (context, seed, temperature, drafter) request in one batch with `accept_sampling` and
+    the worker's uniforms (`position_uniforms(seed, len(context) + depth)`) until each has `count` new
+    tokens. Returns the new tokens per request and the accepted draft tokens per request."""
+    contexts = [context for context, *_ in requests]
+    seeds = torch.tensor([seed for _, seed, _, _ in requests])
+    accepted = [0] * len(requests)
+    while min(len(c) - len(r[0]) for c, r in zip(contexts, requests, strict=True)) < count:
+        trees = [
+            step_tree(kind, context) for (_, _, _, kind), context in zip(requests, contexts, strict=True)
+        ]
+        width = max(tree.rows.width for tree in trees)
+        assert all(tree.rows.width == width for tree in trees)
+        probs = torch.stack([tempered(t.probs, r[2]) for t, r in zip(trees, requests, strict=True)])
         rows = TreeBatch(
             *(torch.cat([getattr(t.rows, f) for t in trees]) for f in ("tokens", "parents", "depths"))
         )
-        width = rows.width
-        uniforms = torch.stack([torch.rand(width, generator=g, dtype=torch.float32) for g in batched_gens])
-        batched = accept_sampling(rows, probs, uniforms)
-        reverse_uniforms = torch.stack(
-            [torch.rand(width, generator=g, dtype=torch.float32) for g in reversed_gens]
-        )
-        flip = torch.arange(len(trees) - 1, -1, -1)
-        reverse_rows = TreeBatch(rows.tokens[flip], rows.parents[flip], rows.depths[flip])
-        reverse = accept_sampling(reverse_rows, probs[flip], reverse_uniforms)
+        lengths = torch.tensor([len(context) for context in contexts])
+        result = accept_sampling(rows, probs, position_uniforms(seeds, lengths[:, None] + rows.depths))
         for r, tree in enumerate(trees):
-            alone = accept_sampling(
-                tree.rows,
-                probs[r : r + 1],
-                torch.rand(1, width, generator=alone_gens[r], dtype=torch.float32),
-            )
-            for name in ("accept_index", "accept_length", "bonus_tokens"):
-                assert torch.equal(getattr(batched, name)[r : r + 1], getattr(alone, name)), (r, name)
-        for name in ("accept_index", "accept_length", "bonus_tokens"):
-            assert torch.equal(getattr(reverse, name), getattr(batched, name)[flip]), name
-        accepted += int(batched.accept_length.sum())
-        for r, tree in enumerate(trees):
-            length = int(batched.accept_length[r])
-            path = batched.accept_index[r, length].item()
-            contexts[r] = (*contexts[r], *tree.paths[path], int(batched.bonus_tokens[r]))
-    assert accepted > 0
+            length = int(result.accept_length[r])
+            accepted[r] += length
+            path = tree.paths[int(result.accept_index[r, length])]
+            contexts[r] = (*contexts[r], *path, int(result.bonus_tokens[r]))
+    return [c[len(r[0]) : len(r[0]) + count] for c, r in zip(contexts, requests, strict=True)], accepted
+
+
+def test_seeded_walk_emits_plain_decodings_tokens_whatever_the_tree_or_batch() -> None:
+    """8 requests (contexts, temperatures 0.5 / 1 / 2, seeds) decoded 12 tokens, each under all three
+    drafters (three different tree sequences, accept lengths and steps), in one batch and in a reversed
+    batch: every run emits exactly the tokens plain decoding samples with the same (seed, position)
+    uniforms. The drafters accept different numbers of tokens, and another seed changes the output."""
+    starts: list[Context] = [(), (0,), (1,), (2, 3), (4,), (3, 1), (1, 1), (0, 2)]
+    temperatures = [0.5, 1.0, 2.0, 1.0, 0.5, 2.0, 1.0, 0.5]
+    seeds = [100 + 7 * r for r in range(len(starts))]
+    count = 12
+    expected = [
+        sequential_sample(c, s, t, count) for c, s, t in zip(starts, seeds, temperatures, strict=True)
+    ]
+    accepted_by_drafter = {}
+    for kind in DRAFTS:
+        requests = [(c, s, t, kind) for c, s, t in zip(starts, seeds, temperatures, strict=True)]
+        emitted, accepted = walk_with_position_uniforms(requests, count)
+        assert emitted == expected, kind
+        reversed_emitted, _ = walk_with_position_uniforms(requests[::-1], count)
+        assert reversed_emitted == expected[::-1], kind
+        accepted_by_drafter[kind] = sum(accepted)
+    print(f"accepted draft tokens per drafter: {accepted_by_drafter}")
+    assert accepted_by_drafter["close"] > accepted_by_drafter["no_mode"] >= 0
+    other_seed = [
+        sequential_sample(c, s + 1, t, count) for c, s, t in zip(starts, seeds, temperatures, strict=True)
+    ]
+    assert other_seed != expected

@@ -218,3 +218,15 @@ def test_public_ops_dispatch_to_triton_on_cuda(device: torch.device) -> None:
     uniforms = torch.rand(6, 40, generator=gen).to(device)
     samples = reference.sample_tokens(probs.view(-1, 50), uniforms.view(-1)).view(6, 40)
     assert_same_accept(kernels.accept_sampling(trees, probs, uniforms), reference.accept_walk(trees, samples))
+
+
+def test_position_uniforms_on_cuda_equal_the_cpu_bit_for_bit(device: torch.device) -> None:
+    """The hash wraps int64 arithmetic the same way on both devices: a seeded request samples the same
+    tokens on a GPU server as on a CPU one."""
+    gen = torch.Generator().manual_seed(9)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (64,), generator=gen, dtype=torch.int64)
+    positions = torch.randint(0, 2**40, (64, 300), generator=gen, dtype=torch.int64)
+    on_cpu = kernels.position_uniforms(seeds, positions)
+    on_cuda = kernels.position_uniforms(seeds.to(device), positions.to(device))
+    assert on_cuda.device.type == "cuda"
+    assert torch.equal(on_cuda.cpu(), on_cpu)
