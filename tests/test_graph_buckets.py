@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from calibration_profiles import QWEN3_8B
 from test_kernels_tree import HAND_BONUS, HAND_DEPTHS, HAND_PARENTS, HAND_TOKENS, StackedTrees
 
 from bastion_sglang.controller import AdaptivePolicy, BucketedAdaptivePolicy, build_trees, plan_batch
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+from bastion_sglang.controller.roofline import HardwareSpec, RooflineModel
 from bastion_sglang.graph_buckets import (
     EagerReason,
     VerifyShape,
@@ -37,15 +38,6 @@ from bastion_sglang.kernels import (
 BUCKETS = (4, 8, 16)
 CAP = 17  # N_max 16: the largest bucket is below the cap, so widths 17 run eagerly
 
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 H100 = HardwareSpec(name="H100 SXM", peak_flops=989e12, bandwidth=3.35e12)
 COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
 
