@@ -37,6 +37,7 @@ from bastion_sglang.training.train import (
     batch_for_step,
     block_loss,
     drafter_forward,
+    drafter_init,
     learning_rate,
     load_frozen_target,
     make_blocks,
@@ -341,6 +342,45 @@ def test_frozen_target_weights_get_no_gradient(target: Path, frozen: FrozenTarge
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
 
 
+def test_init_from_drafter_starts_from_its_weights_and_rejects_another_shape(
+    target: Path, frozen: FrozenTarget, data_dir: Path, tmp_path: Path
+) -> None:
+    sequences = load_training_sequences(data_dir)
+    config = TrainConfig(steps=2, batch_sequences=2, anchors_per_sequence=4, warmup_steps=1, precision="fp32")
+    trained = Trainer(drafter_config(target), config, frozen, sequences, tmp_path / "a", torch.device("cpu"))
+    trained.run(checkpoint_seconds=1e9)
+    folder = export_drafter(trained, tmp_path / "trained")
+
+    initial = drafter_init(folder, drafter_config(target))
+    follow_up = Trainer(
+        drafter_config(target),
+        TrainConfig(steps=1, init_from_drafter=str(folder)),
+        frozen,
+        sequences,
+        tmp_path / "b",
+        torch.device("cpu"),
+        initial_weights=initial,
+    )
+    for name, tensor in trained.drafter.state_dict().items():
+        torch.testing.assert_close(follow_up.drafter.state_dict()[name], tensor.to(torch.bfloat16).float())
+        assert (
+            not torch.equal(tensor, DFlashDrafter(drafter_config(target)).state_dict()[name])
+            or "norm" in name
+        )
+
+    other = build_drafter_config(
+        json.loads((target / "config.json").read_text()),
+        layers=1,
+        block_size=BLOCK * 2,
+        layer_ids=list(LAYER_IDS),
+        mask_token_id=MASK_ID,
+    )
+    with pytest.raises(ValueError, match=r"block_size is 8 but this run's is 16"):
+        drafter_init(folder, other)
+    with pytest.raises(ValueError, match="exclude each other"):
+        TrainConfig(steps=1, init_from_target=True, init_from_drafter=str(folder))
+
+
 # --- resume and export --------------------------------------------------------------------------------------
 
 
@@ -435,3 +475,29 @@ def test_train_drafter_cli_end_to_end(target: Path, prompt_file: Path, tmp_path:
     with pytest.raises(SystemExit, match="pass --resume"):
         main(argv)
     assert main([*argv, "--resume"]) == 0  # already at the last step: nothing to do
+
+    def continue_from(source: str, out: str, *extra: str) -> list[str]:
+        return [
+            *argv[:4],
+            str(tmp_path / out),
+            *argv[5:],
+            "--init-from-drafter",
+            str(tmp_path / source),
+            *extra,
+        ]
+
+    assert main(continue_from("out", "follow-up")) == 0
+    continued = read_card_metadata(tmp_path / "follow-up" / "README.md").bastion_training
+    assert continued.config.init_from_drafter == str(tmp_path / "out")
+    assert continued.initialised_from is not None
+    assert (continued.initialised_from.name, continued.initialised_from.steps_done) == ("out", 3)
+    assert continued.initialised_from.train_seconds == summary.train_seconds
+    card_text = (tmp_path / "follow-up" / "README.md").read_text()
+    assert "Initialised from the trained drafter `out` (3 steps" in card_text
+    assert main(continue_from("follow-up", "third")) == 0
+    third = read_card_metadata(tmp_path / "third" / "README.md").bastion_training.initialised_from
+    assert third is not None and third.steps_done == 6  # the history adds up across runs
+    with pytest.raises(SystemExit, match=r"--init-from-drafter: .*block_size is 8 but this run's is 4"):
+        main(continue_from("out", "fourth", "--block-size", "4"))
+    with pytest.raises(SystemExit):
+        main([*argv, "--init-from-target", "--init-from-drafter", str(tmp_path / "out")])

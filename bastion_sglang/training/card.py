@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bastion_sglang.drafter_config import DrafterConfig
-from bastion_sglang.training.train import AcceptanceReport, TrainConfig, TrainingState
+from bastion_sglang.training.train import AcceptanceReport, InitialDrafter, TrainConfig, TrainingState
 
 CARD_NAME = "README.md"
 
@@ -40,6 +40,9 @@ class TrainingSummary(BaseModel):
 
     data: DataSummary
     config: TrainConfig
+    initialised_from: InitialDrafter | None = Field(
+        default=None, description="set when the run continued a trained drafter; figures count this run only"
+    )
     steps_done: int
     train_seconds: float
     device: str
@@ -76,6 +79,7 @@ def write_card(
     summary = TrainingSummary(
         data=data,
         config=state.config,
+        initialised_from=state.initialised_from,
         steps_done=state.step,
         train_seconds=state.seconds,
         device=device,
@@ -105,6 +109,44 @@ def read_card_metadata(path: Path) -> CardMetadata:
         return CardMetadata.model_validate(yaml.safe_load(parts[1]))
     except (yaml.YAMLError, ValidationError) as error:
         raise ValueError(f"{path}: bad card metadata: {error}") from None
+
+
+def describe_initial_drafter(folder: Path) -> InitialDrafter:
+    """What `folder`'s card says of its training, earlier runs included (None where it has no card).
+
+    ValueError naming the card if it is malformed.
+    """
+    card = folder / CARD_NAME
+    if not card.is_file():
+        return InitialDrafter(name=folder.name, steps_done=None, train_seconds=None, generation_dtype=None)
+    summary = read_card_metadata(card).bastion_training
+    steps, seconds = summary.steps_done, summary.train_seconds
+    earlier = summary.initialised_from
+    if earlier is not None and earlier.steps_done is not None and earlier.train_seconds is not None:
+        steps, seconds = steps + earlier.steps_done, seconds + earlier.train_seconds
+    return InitialDrafter(
+        name=folder.name,
+        steps_done=steps,
+        train_seconds=seconds,
+        generation_dtype=summary.data.generation_dtype,
+    )
+
+
+def _initialisation(config: TrainConfig, initial: InitialDrafter | None) -> str:
+    if initial is not None:
+        history = (
+            f" ({initial.steps_done} steps, {initial.train_seconds / 3600:.2f} h, on data regenerated in "
+            f"{initial.generation_dtype})"
+            if initial.steps_done is not None and initial.train_seconds is not None
+            else ""
+        )
+        return (
+            f"Initialised from the trained drafter `{initial.name}`{history}; the figures above count "
+            "this run only."
+        )
+    if config.init_from_target:
+        return "Initialised from the target layers that follow the last feature layer."
+    return "Initialised at random."
 
 
 def _prose(
@@ -148,6 +190,7 @@ def _prose(
         f"(warmup {config.warmup_steps} steps, cosine to 0), weight decay {config.weight_decay:g}, "
         f"{config.precision}, seed {config.seed}."
         + (f" Last logged loss: {summary.final_loss:.3f} nats." if summary.final_loss is not None else ""),
+        _initialisation(config, summary.initialised_from),
         "",
         "## Held-out acceptance",
         "",

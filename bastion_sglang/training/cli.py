@@ -19,7 +19,7 @@ import torch
 
 from bastion_sglang.assets import default_cache_dir
 from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits, default_target_layer_ids
-from bastion_sglang.training.card import DataSummary, write_card
+from bastion_sglang.training.card import DataSummary, describe_initial_drafter, write_card
 from bastion_sglang.training.data import (
     PROMPT_SETS,
     load_training_sequences,
@@ -29,9 +29,11 @@ from bastion_sglang.training.data import (
 from bastion_sglang.training.train import (
     STATE_JSON_NAME,
     AcceptancePoint,
+    InitialDrafter,
     TrainConfig,
     Trainer,
     chain_acceptance,
+    drafter_init,
     load_frozen_target,
     target_layer_init,
 )
@@ -90,11 +92,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+    initialisation = parser.add_mutually_exclusive_group()
+    initialisation.add_argument(
         "--init-from-target",
         action="store_true",
         help="start the draft layers as copies of the target layers that follow the last feature layer "
         "(and fc as the identity on that layer's features) instead of random weights",
+    )
+    initialisation.add_argument(
+        "--init-from-drafter",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="start from a trained drafter of the same shape (z-lab folder) and train it further, e.g. on "
+        "new data or with a new schedule; its card's history is carried into the new card",
     )
     parser.add_argument(
         "--checkpoint-minutes", type=float, default=10.0, help="wall minutes between checkpoints"
@@ -202,14 +213,22 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         seed=args.seed,
         init_from_target=args.init_from_target,
+        init_from_drafter=None if args.init_from_drafter is None else str(args.init_from_drafter.resolve()),
     )
     frozen = load_frozen_target(target, device)
     train_sequences = load_training_sequences(data_dir / "train")
     heldout_sequences = load_training_sequences(data_dir / "heldout")
     state_dir = data_dir / "runs" / args.out.name
-    initial_weights = target_layer_init(target, drafter_config) if args.init_from_target else None
+    initial_weights, initialised_from = initialisation(args, target, drafter_config)
     trainer = Trainer(
-        drafter_config, train_config, frozen, train_sequences, state_dir, device, initial_weights
+        drafter_config,
+        train_config,
+        frozen,
+        train_sequences,
+        state_dir,
+        device,
+        initial_weights,
+        initialised_from,
     )
     if args.resume:
         trainer.resume()
@@ -263,6 +282,22 @@ def run(args: argparse.Namespace) -> int:
     state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
     print(f"drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
     return 0
+
+
+def initialisation(
+    args: argparse.Namespace, target: Path, drafter_config: DrafterConfig
+) -> tuple[dict[str, torch.Tensor] | None, InitialDrafter | None]:
+    """(initial weights, the trained drafter they come from) for a new run; (None, None) on --resume,
+    whose weights come from the saved state. SystemExit naming a drafter that cannot seed this run."""
+    if args.resume or not (args.init_from_target or args.init_from_drafter):
+        return None, None
+    if args.init_from_target:
+        return target_layer_init(target, drafter_config), None
+    try:
+        weights = drafter_init(args.init_from_drafter, drafter_config)
+        return weights, describe_initial_drafter(args.init_from_drafter)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --init-from-drafter: {error}") from None
 
 
 def export_drafter(trainer: Trainer, out: Path) -> Path:

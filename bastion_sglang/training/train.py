@@ -17,8 +17,10 @@ Loss: cross-entropy of the target's token at each block position, weighted by w_
 last position 0.14, so early positions (which decide most accepted tokens) dominate while the tail still
 learns. The target's embedding and LM head are frozen and shared, not part of the drafter.
 Optimiser: AdamW, linear warmup then cosine decay to zero; bf16 autocast (fp32 master weights).
-Initialisation: random, or (`TrainConfig.init_from_target`) the target layers that follow the last feature
-layer, which reach a given loss in fewer steps when training time is short (`target_layer_init`).
+Initialisation: random; or (`TrainConfig.init_from_target`) the target layers that follow the last feature
+layer, which reach a given loss in fewer steps when training time is short (`target_layer_init`); or
+(`TrainConfig.init_from_drafter`) a trained drafter of the same shape, to continue training it on new data
+or with a new schedule (`drafter_init`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from bastion_sglang.drafter_config import DrafterConfig
@@ -68,6 +70,17 @@ class TrainConfig(BaseModel):
         description="draft layers start as copies of the target layers after the last feature layer "
         "(`target_layer_init`), fc as the identity on that layer's features; else random",
     )
+    init_from_drafter: str | None = Field(
+        default=None,
+        description="z-lab drafter folder whose weights the run starts from (`drafter_init`); its config "
+        "must equal the run's",
+    )
+
+    @model_validator(mode="after")
+    def _one_initialisation(self) -> TrainConfig:
+        if self.init_from_target and self.init_from_drafter is not None:
+            raise ValueError("init_from_target and init_from_drafter exclude each other; choose one")
+        return self
 
 
 class LogPoint(BaseModel):
@@ -92,6 +105,17 @@ class AcceptancePoint(BaseModel):
     blocks: int
 
 
+class InitialDrafter(BaseModel):
+    """The drafter a run started from (`TrainConfig.init_from_drafter`), as its own card described it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="folder name of the initial drafter")
+    steps_done: int | None = Field(description="its training steps, from its card (None: no card)")
+    train_seconds: float | None = Field(description="its training wall time, from its card")
+    generation_dtype: str | None = Field(description="dtype of the target when its data was regenerated")
+
+
 class TrainingState(BaseModel):
     """state.json beside state.pt: where a run is, for resuming and for the model card."""
 
@@ -105,6 +129,9 @@ class TrainingState(BaseModel):
     supervised_positions: int = Field(ge=0, description="block positions with a label, summed")
     history: list[LogPoint] = Field(default_factory=list)
     acceptance: list[AcceptancePoint] = Field(default_factory=list, description="held-out, per checkpoint")
+    initialised_from: InitialDrafter | None = Field(
+        default=None, description="the trained drafter the run started from (`TrainConfig.init_from_drafter`)"
+    )
 
 
 def position_weights(block_size: int, decay: float) -> torch.Tensor:
@@ -367,6 +394,25 @@ def target_layer_init(target: Path, drafter_config: DrafterConfig) -> dict[str, 
     return state
 
 
+def drafter_init(folder: Path, drafter_config: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Initial weights from a trained z-lab drafter folder (`TrainConfig.init_from_drafter`), float32.
+
+    The folder's config must equal `drafter_config` field for field (same shapes, target layers, block
+    size and mask token); ValueError naming the first field that differs, and the option that sets it.
+    """
+    theirs = DrafterConfig.from_json(folder, target_num_layers=drafter_config.num_target_layers)
+    stored, wanted = theirs.model_dump(), drafter_config.model_dump()
+    for field, value in wanted.items():
+        if stored[field] != value:
+            raise ValueError(
+                f"{folder}: the drafter's {field} is {stored[field]!r} but this run's is {value!r}; "
+                "train with the drafter's settings (--layers, --block-size, --target-layer-ids, "
+                "--mask-token-id) or start without --init-from-drafter"
+            )
+    drafter = DFlashDrafter.from_pretrained(folder, target_num_layers=drafter_config.num_target_layers)
+    return {name: tensor.float() for name, tensor in drafter.state_dict().items()}
+
+
 def load_frozen_target(target: Path, device: torch.device) -> FrozenTarget:
     """Read the target's input embedding and LM head (tied or not) from its folder, frozen, float32."""
     from transformers import AutoModelForCausalLM
@@ -390,8 +436,10 @@ class Trainer:
         state_dir: Path,
         device: torch.device,
         initial_weights: dict[str, torch.Tensor] | None = None,
+        initialised_from: InitialDrafter | None = None,
     ) -> None:
-        """initial_weights: a partial drafter state dict applied over the seeded random init."""
+        """initial_weights: a partial drafter state dict applied over the seeded random init;
+        initialised_from: where they came from when they are a trained drafter's (kept in the state)."""
         if not sequences:
             raise ValueError("no training sequence has a response of >= 2 tokens")
         self.config = config
@@ -412,7 +460,12 @@ class Trainer:
             self.drafter.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
         )
         self.state = TrainingState(
-            config=config, drafter_config=drafter_config, step=0, seconds=0.0, supervised_positions=0
+            config=config,
+            drafter_config=drafter_config,
+            step=0,
+            seconds=0.0,
+            supervised_positions=0,
+            initialised_from=initialised_from,
         )
 
     def resume(self) -> None:
