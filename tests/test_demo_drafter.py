@@ -42,7 +42,7 @@ pytest_plugins = ["demo_target"]
 DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 PROMPTS_PER_SET = 4
 MAX_NEW_TOKENS = 48
-CHAIN_TAU_FLOOR = 1.35
+CHAIN_TAU_FLOOR = 1.5
 MAX_DRAFTER_BYTES = 25 * 1024 * 1024
 
 

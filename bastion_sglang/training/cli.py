@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         seed=args.seed,
         init_from_target=args.init_from_target,
-        init_from_drafter=None if args.init_from_drafter is None else str(args.init_from_drafter.resolve()),
+        init_from_drafter=None if args.init_from_drafter is None else str(args.init_from_drafter),
     )
     frozen = load_frozen_target(target, device)
     train_sequences = load_training_sequences(data_dir / "train")
