@@ -51,6 +51,10 @@ PROMPTS = (
 NEW_TOKENS = 24
 DRAFTER_NEW_TOKENS = 16  # the random drafter is rarely accepted: one step per token, keep it short
 INIT = 0.4  # weight init std of the tiny targets: peaky logits, no near-ties in greedy decoding
+TREE_TOL = 1e-3
+"""Tree forward vs a rerun of each branch: fp32 with another summation order (masked attention over the whole
+tree vs causal over one branch), 1.7e-4 apart at most on an AVX2-only CPU; a wrong mask or position changes
+what a node attends to, which moves them on the scale of the activations themselves."""
 
 
 @dataclass(frozen=True)
@@ -264,9 +268,9 @@ def test_tree_forward_equals_a_naive_rerun_of_every_branch(target: Target) -> No
     for node in range(rows.width):
         branch = rows.tokens[0, ancestors(parents, node)]
         naive = target.model(torch.cat([prompt, branch])[None], output_hidden_states=True)
-        torch.testing.assert_close(out.logits[node], naive.logits[0, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.logits[node], naive.logits[0, -1], rtol=TREE_TOL, atol=TREE_TOL)
         expected = torch.cat([naive.hidden_states[layer + 1][0, -1] for layer in layers])
-        torch.testing.assert_close(out.features[node], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.features[node], expected, rtol=TREE_TOL, atol=TREE_TOL)
 
 
 def test_kv_cache_after_steps_equals_a_plain_forward_of_the_committed_tokens(target: Target) -> None:
