@@ -361,12 +361,15 @@ def test_init_from_drafter_starts_from_its_weights_and_rejects_another_shape(
         torch.device("cpu"),
         initial_weights=initial,
     )
+    started = follow_up.drafter.state_dict()
     for name, tensor in trained.drafter.state_dict().items():
-        torch.testing.assert_close(follow_up.drafter.state_dict()[name], tensor.to(torch.bfloat16).float())
-        assert (
-            not torch.equal(tensor, DFlashDrafter(drafter_config(target)).state_dict()[name])
-            or "norm" in name
-        )
+        torch.testing.assert_close(started[name], tensor.to(torch.bfloat16).float())
+    seeded = Trainer(
+        drafter_config(target), TrainConfig(steps=1), frozen, sequences, tmp_path / "c", torch.device("cpu")
+    )
+    assert not torch.equal(
+        seeded.drafter.state_dict()["fc.weight"], started["fc.weight"]
+    )  # not the seeded init
 
     other = build_drafter_config(
         json.loads((target / "config.json").read_text()),

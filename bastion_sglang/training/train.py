@@ -400,16 +400,15 @@ def drafter_init(folder: Path, drafter_config: DrafterConfig) -> dict[str, torch
     The folder's config must equal `drafter_config` field for field (same shapes, target layers, block
     size and mask token); ValueError naming the first field that differs, and the option that sets it.
     """
-    theirs = DrafterConfig.from_json(folder, target_num_layers=drafter_config.num_target_layers)
-    stored, wanted = theirs.model_dump(), drafter_config.model_dump()
-    for field, value in wanted.items():
+    drafter = DFlashDrafter.from_pretrained(folder, target_num_layers=drafter_config.num_target_layers)
+    stored = drafter.config.model_dump()
+    for field, value in drafter_config.model_dump().items():
         if stored[field] != value:
             raise ValueError(
                 f"{folder}: the drafter's {field} is {stored[field]!r} but this run's is {value!r}; "
                 "train with the drafter's settings (--layers, --block-size, --target-layer-ids, "
                 "--mask-token-id) or start without --init-from-drafter"
             )
-    drafter = DFlashDrafter.from_pretrained(folder, target_num_layers=drafter_config.num_target_layers)
     return {name: tensor.float() for name, tensor in drafter.state_dict().items()}
 
 
