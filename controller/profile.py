@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import (
     AwareDatetime,
     BaseModel,
@@ -86,6 +87,22 @@ class StepCosts(BaseModel):
         ge=0, description="tree build, accept walk and KV compaction per step, seconds"
     )
     l_ar: FiniteFloat = Field(gt=0, description="one plain autoregressive decode step of the target, seconds")
+    t_aux_per_token: FiniteFloat = Field(
+        default=0.0,
+        ge=0,
+        description="host and device work outside the forwards that grows with the verify tokens of the "
+        "pass (mask, accept walk, logits processing), seconds per token",
+    )
+
+    def cycle_seconds(
+        self, verify_seconds: float | torch.Tensor, verify_tokens: int | torch.Tensor
+    ) -> float | torch.Tensor:
+        """Ĉ = T_draft + T_aux + t_aux_per_token · tokens + T_verify (BASTION eq. 7 with the per-token work).
+
+        verify_seconds: predicted verify seconds (float or [M] tensor); verify_tokens: tokens the pass holds
+        over the whole batch (int or [M] tensor, broadcast with verify_seconds). Returns seconds, same kind.
+        """
+        return self.t_draft + self.t_aux + self.t_aux_per_token * verify_tokens + verify_seconds
 
 
 class CalibrationProfile(BaseModel):

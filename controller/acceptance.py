@@ -1,0 +1,348 @@
+"""Acceptance calibration: from the drafter's top-K log-probabilities to realised acceptance.
+
+Terms. The drafter gives, per depth d = 1..D, the log-probabilities x = log q_d(r) of its top-K tokens. A
+tree node at depth d with ranks (r_1, .., r_d) is accepted when every token on its path equals the target's
+token at that depth (at T = 0 the target's argmax; at T > 0 the target's sample). Its probability is
+
+    P(node accepted) = Π_j P(token r_j matches at depth j | the path before j matched).
+
+The raw estimate takes each factor to be q_j(r_j). Block-diffusion drafters are over-confident, more so
+deeper, so the raw Â = 1 + Σ ρ over-predicts what a verify pass commits.
+
+The map (fitted per depth, monotone). Each conditional factor is modelled as
+
+    log g_d(x) = min(0, a_d · x + b_d),   a_d > 0,
+
+a temperature (a_d) and an offset (b_d) on the log scale, capped at probability 1. Per depth the map is
+non-decreasing in x, so applying it to every entry of a sorted top-K row keeps the row sorted: the tree
+search (`build_tree` / `build_trees`) run on the CALIBRATED log-probabilities is exact for the calibrated
+path scores log ρ̃ = Σ_j log g_j(q_j(r_j)), which are the values the planner sums (Â = 1 + Σ ρ̃).
+
+Fitting. An `AcceptanceRecord` is one drafter pass whose target continuation is known (the tokens the
+target committed after the root). For depth d, every candidate r of the top-K row gives one Bernoulli event,
+y = 1 when its token equals the target's token at depth d, provided the target's tokens at depths 1..d-1
+are all among the top-K candidates of their rows (the target's path is a node of the lattice, so the event
+is the conditional factor above). (a_d, b_d) maximise the Bernoulli log-likelihood of these events. A depth
+with fewer than `min_positive` matching events shares the parameters fitted on it and every deeper depth
+pooled (deep events are rare).
+
+Online correction. `AcceptanceTracker` keeps exponentially forgotten sums of the predicted drafted part
+(Â - 1) and of the realised accepted drafts, separately for greedy and sampled requests, and the planner
+scales the drafted part by their ratio c: Â = 1 + c·Σ ρ̃. A constant factor does not change which nodes are
+best, so the tree stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+from scipy.optimize import minimize
+
+from bastion_sglang.controller.tree import build_tree
+
+MIN_POSITIVE_EVENTS = 30
+"""Matching events a depth needs for parameters of its own (else it is pooled with the deeper depths)."""
+PROBABILITY_CAP = 1.0 - 1e-6
+"""Probabilities are capped below 1 inside the likelihood, so a mismatch at a capped point stays finite."""
+SLOPE_BOUNDS = (0.05, 20.0)
+"""Range of a_d searched by the fit."""
+OFFSET_BOUNDS = (-20.0, 5.0)
+"""Range of b_d searched by the fit."""
+
+
+class AcceptanceCalibration(BaseModel):
+    """Per-depth monotone maps log g_d(x) = min(0, a_d·x + b_d) (module docstring); depths beyond the
+    fitted ones use the last depth's map."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    slopes: list[FiniteFloat] = Field(min_length=1, description="a_d per depth d = 1.., dimensionless")
+    offsets: list[FiniteFloat] = Field(min_length=1, description="b_d per depth d = 1.., log-probability")
+    events: list[int] = Field(description="Bernoulli events per depth the fit saw (0: identity/pooled)")
+    drafter_config_hash: str | None = Field(
+        default=None, description="config_hash of the drafter the map was fitted for"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AcceptanceCalibration:
+        if not len(self.slopes) == len(self.offsets) == len(self.events):
+            raise ValueError(
+                f"slopes, offsets and events need one entry per depth, got {len(self.slopes)}, "
+                f"{len(self.offsets)} and {len(self.events)}"
+            )
+        bad = [a for a in self.slopes if a <= 0]
+        if bad:
+            raise ValueError(f"slopes must be > 0 (a monotone map), got {bad}")
+        return self
+
+    @classmethod
+    def identity(cls, depths: int = 1) -> AcceptanceCalibration:
+        """a = 1, b = 0 at every depth: the raw drafter probabilities."""
+        return cls(slopes=[1.0] * depths, offsets=[0.0] * depths, events=[0] * depths)
+
+    @property
+    def is_identity(self) -> bool:
+        return all(a == 1.0 for a in self.slopes) and all(b == 0.0 for b in self.offsets)
+
+    def depth_parameters(self, depths: int) -> tuple[list[float], list[float]]:
+        """(a_d, b_d) for d = 1..depths, the last fitted depth repeated beyond the fitted ones."""
+        count = len(self.slopes)
+        index = [min(d, count - 1) for d in range(depths)]
+        return [self.slopes[i] for i in index], [self.offsets[i] for i in index]
+
+    def apply(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Calibrated log-probabilities: [..., D, K] raw top-K log q -> [..., D, K] log g_d, same dtype and
+        device. Sorted rows stay sorted and every value stays <= 0."""
+        depths = int(logprobs.shape[-2])
+        slopes, offsets = self.depth_parameters(depths)
+        shape = (depths, 1)
+        a = torch.tensor(slopes, dtype=logprobs.dtype, device=logprobs.device).view(shape)
+        b = torch.tensor(offsets, dtype=logprobs.dtype, device=logprobs.device).view(shape)
+        return torch.clamp(logprobs * a + b, max=0.0)
+
+
+@dataclass(frozen=True)
+class AcceptanceRecord:
+    """One drafter pass and what the target committed after its root.
+
+    logprobs: [D, K] raw top-K log-probabilities, rows sorted descending; token_ids: [D, K] their tokens;
+    continuation: the target's tokens at depths 1..m (m <= D; fewer when the output ended).
+    """
+
+    logprobs: torch.Tensor
+    token_ids: torch.Tensor
+    continuation: tuple[int, ...]
+
+
+def conditional_events(
+    records: Sequence[AcceptanceRecord], depths: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per depth d = 1..depths: (x, y), the raw log-probabilities of the candidates whose conditional event
+    is observed (the target's path before d lies in the lattice) and the 0/1 outcomes. [n_d] float64 each."""
+    xs: list[list[np.ndarray]] = [[] for _ in range(depths)]
+    ys: list[list[np.ndarray]] = [[] for _ in range(depths)]
+    for record in records:
+        lp = record.logprobs.detach().to("cpu", torch.float64).numpy()
+        ids = record.token_ids.detach().to("cpu").numpy()
+        for d, target in enumerate(record.continuation[: min(depths, lp.shape[0])]):
+            match = ids[d] == target
+            xs[d].append(lp[d])
+            ys[d].append(match.astype(np.float64))
+            if not match.any():
+                break  # the target's path leaves the lattice: deeper events are not conditional ones
+    return [
+        (np.concatenate(x) if x else np.empty(0), np.concatenate(y) if y else np.empty(0))
+        for x, y in zip(xs, ys, strict=True)
+    ]
+
+
+def _negative_log_likelihood(params: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """Bernoulli NLL of p = exp(min(0, a·x + b)) (capped) and its gradient in (a, b)."""
+    a, b = params
+    z = np.minimum(a * x + b, 0.0)
+    p = np.minimum(np.exp(z), PROBABILITY_CAP)
+    inside = (a * x + b < 0.0) & (np.exp(z) < PROBABILITY_CAP)
+    loss = -np.sum(y * np.log(p) + (1.0 - y) * np.log1p(-p))
+    # d loss / d z = -(y - p) / (1 - p) where the map is not capped, else 0
+    dz = np.where(inside, -(y - p) / (1.0 - p), 0.0)
+    return float(loss), np.array([np.sum(dz * x), np.sum(dz)])
+
+
+def fit_depth(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(a, b) maximising the Bernoulli likelihood of outcomes y [n] at raw log-probabilities x [n]."""
+    if x.shape != y.shape or x.ndim != 1 or x.size == 0:
+        raise ValueError(f"x and y must be equal non-empty 1-D arrays, got {x.shape} and {y.shape}")
+    finite = np.isfinite(x)
+    x, y = np.maximum(x[finite], -50.0), y[finite]
+    best = minimize(
+        _negative_log_likelihood,
+        np.array((1.0, 0.0)),
+        args=(x, y),
+        jac=True,
+        method="L-BFGS-B",
+        bounds=[SLOPE_BOUNDS, OFFSET_BOUNDS],
+    )
+    for start in ((0.5, -0.5), (2.0, 0.0)):
+        result = minimize(
+            _negative_log_likelihood,
+            np.array(start),
+            args=(x, y),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=[SLOPE_BOUNDS, OFFSET_BOUNDS],
+        )
+        if result.fun < best.fun:
+            best = result
+    return float(best.x[0]), float(best.x[1])
+
+
+def fit_acceptance(
+    records: Sequence[AcceptanceRecord],
+    depths: int,
+    min_positive: int = MIN_POSITIVE_EVENTS,
+    drafter_config_hash: str | None = None,
+) -> AcceptanceCalibration:
+    """Fit the per-depth maps on `records` (module docstring). Raises ValueError when depth 1 has fewer
+    than `min_positive` matching events (too little data to calibrate anything)."""
+    if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+        raise ValueError(f"depths must be a positive int, got {depths!r}")
+    events = conditional_events(records, depths)
+    positives = [int(y.sum()) for _, y in events]
+    if positives[0] < min_positive:
+        raise ValueError(
+            f"acceptance calibration needs at least {min_positive} matching events at depth 1, got "
+            f"{positives[0]} from {len(records)} drafter passes; use more prompts or longer outputs"
+        )
+    slopes, offsets, counts = [], [], []
+    for d in range(depths):
+        if positives[d] >= min_positive and sum(positives[d + 1 :]) >= min_positive:
+            x, y = events[d]
+        else:  # pool this depth with every deeper one
+            x = np.concatenate([events[j][0] for j in range(d, depths)])
+            y = np.concatenate([events[j][1] for j in range(d, depths)])
+            if y.sum() < min_positive:
+                slopes.append(slopes[-1])
+                offsets.append(offsets[-1])
+                counts.append(0)
+                continue
+        a, b = fit_depth(x, y)
+        slopes.append(a)
+        offsets.append(b)
+        counts.append(int(x.size))
+    return AcceptanceCalibration(
+        slopes=slopes, offsets=offsets, events=counts, drafter_config_hash=drafter_config_hash
+    )
+
+
+class AcceptanceTracker:
+    """Online correction of the calibrated Â from realised accept lengths (module docstring).
+
+    decay: weight the running sums keep per observed step, in (0, 1). The correction is 1 until
+    `min_predicted` drafted tokens were predicted for that mode, and stays in [lower, upper].
+    """
+
+    GREEDY, SAMPLED = 0, 1
+
+    def __init__(
+        self, decay: float = 0.98, min_predicted: float = 8.0, lower: float = 0.25, upper: float = 4.0
+    ) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        self._decay = decay
+        self._min_predicted = min_predicted
+        self._bounds = (lower, upper)
+        self._predicted = [0.0, 0.0]
+        self._realised = [0.0, 0.0]
+        self._expected_total = 0.0
+        self._realised_total = 0.0
+
+    def correction(self, greedy: bool) -> float:
+        """c for a greedy or a sampled request: realised / predicted drafted tokens, clipped."""
+        mode = self.GREEDY if greedy else self.SAMPLED
+        if self._predicted[mode] < self._min_predicted:
+            return 1.0
+        lower, upper = self._bounds
+        return min(max(self._realised[mode] / self._predicted[mode], lower), upper)
+
+    def corrections(self, greedy: Sequence[bool]) -> list[float]:
+        return [self.correction(g) for g in greedy]
+
+    def observe(
+        self,
+        predicted_drafted: Sequence[float],
+        accepted: Sequence[int],
+        greedy: Sequence[bool],
+        corrections: Sequence[float],
+    ) -> None:
+        """One step: per request the calibrated drafted part Σ ρ̃ of its verified tree (before the online
+        correction), the accepted draft nodes, whether it decodes greedily, and the correction it was
+        planned with (for the calibration-error statistic)."""
+        decay = self._decay
+        self._predicted = [decay * value for value in self._predicted]
+        self._realised = [decay * value for value in self._realised]
+        self._expected_total *= decay
+        self._realised_total *= decay
+        for drafted, hits, is_greedy, c in zip(predicted_drafted, accepted, greedy, corrections, strict=True):
+            if drafted <= 0.0:
+                continue  # a request that verified no node says nothing about the drafter
+            mode = self.GREEDY if is_greedy else self.SAMPLED
+            self._predicted[mode] += drafted
+            self._realised[mode] += hits
+            self._expected_total += 1.0 + c * drafted
+            self._realised_total += 1.0 + hits
+
+    @property
+    def calibration_error(self) -> float:
+        """|Σ expected - Σ realised| / Σ realised accept length over recent request-steps (forgotten at the
+        decay rate), fraction; 0 before any observation."""
+        if self._realised_total <= 0:
+            return 0.0
+        return abs(self._expected_total - self._realised_total) / self._realised_total
+
+
+def realised_accept_length(
+    tokens: Sequence[int], parents: Sequence[int], depths: Sequence[int], continuation: Sequence[int]
+) -> int:
+    """Tokens a tree commits against a known target continuation: 1 + the depth of its deepest node whose
+    whole path matches `continuation` (depth d compared with continuation[d - 1]). Nodes in best-first
+    order, parents before children, ROOT = -1."""
+    matched = [False] * len(tokens)
+    best = 0
+    for i, (token, parent, depth) in enumerate(zip(tokens, parents, depths, strict=True)):
+        if depth > len(continuation) or token != continuation[depth - 1]:
+            continue
+        if parent >= 0 and not matched[parent]:
+            continue
+        matched[i] = True
+        best = max(best, depth)
+    return 1 + best
+
+
+class AcceptanceReport(BaseModel):
+    """Expected vs realised accept length on held-out drafter passes, raw and calibrated, per budget."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    passes: int = Field(ge=0)
+    budgets: list[int]
+    realised: list[FiniteFloat] = Field(description="mean tokens committed per pass, calibrated trees")
+    expected: list[FiniteFloat] = Field(description="mean calibrated Â per pass")
+    realised_raw: list[FiniteFloat] = Field(description="mean tokens committed per pass, raw trees")
+    expected_raw: list[FiniteFloat] = Field(description="mean raw Â per pass")
+
+    @property
+    def error(self) -> list[float]:
+        """expected / realised - 1 per budget, calibrated (signed fraction)."""
+        return [e / r - 1.0 for e, r in zip(self.expected, self.realised, strict=True)]
+
+    @property
+    def error_raw(self) -> list[float]:
+        return [e / r - 1.0 for e, r in zip(self.expected_raw, self.realised_raw, strict=True)]
+
+
+def evaluate_acceptance(
+    calibration: AcceptanceCalibration, records: Sequence[AcceptanceRecord], budgets: Sequence[int]
+) -> AcceptanceReport:
+    """Build the best-first tree of every record at every budget, on raw and on calibrated log-probs, and
+    compare 1 + Σ ρ with what the known continuation commits. Records whose continuation is shorter than
+    the drafter's depth are skipped (their realised length is cut by the end of the output)."""
+    full = [r for r in records if len(r.continuation) >= r.logprobs.shape[0]]
+    if not full:
+        raise ValueError(
+            f"none of the {len(records)} records has a continuation as long as the drafter's depth"
+        )
+    sums = {key: [0.0] * len(budgets) for key in ("realised", "expected", "realised_raw", "expected_raw")}
+    for record in full:
+        for suffix, logprobs in (("", calibration.apply(record.logprobs)), ("_raw", record.logprobs)):
+            for j, budget in enumerate(budgets):
+                tree = build_tree(logprobs, record.token_ids, budget)
+                sums["expected" + suffix][j] += 1.0 + float(torch.exp(tree.log_scores).sum())
+                sums["realised" + suffix][j] += realised_accept_length(
+                    tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), record.continuation
+                )
+    means = {key: [v / len(full) for v in values] for key, values in sums.items()}
+    return AcceptanceReport(passes=len(full), budgets=list(budgets), **means)
