@@ -9,9 +9,20 @@ The verify stage feeds the latency model's EMA; draft and the host stages feed t
 `BastionMetrics` (only with `--enable-metrics`, on the scheduler's stats rank) exports, with SGLang's
 scheduler labels, on the same `/metrics` as SGLang:
 - sglang:bastion_tree_nodes (histogram): draft nodes verified per request per step;
-- sglang:bastion_expected_accept_length (histogram): Â of the verified tree per request per step;
+- sglang:bastion_expected_accept_length (histogram): Â of the verified tree per request per step, with the
+  acceptance calibration and its online correction applied (what the planner maximised);
+- sglang:bastion_expected_accept_length_raw (histogram): the same tree's raw Â (1 + Σ drafter path
+  probabilities), for comparison;
 - sglang:bastion_accept_length (histogram): tokens committed per request per step;
 - sglang:bastion_verify_seconds_estimated / _observed (histograms): per verify pass;
+- sglang:bastion_verify_relative_error (histogram): |estimated - observed| / observed per verify pass,
+  after the first WARMUP_STEPS passes;
+- sglang:bastion_step_stage_seconds (histogram, label `stage`): seconds per stage of a decode step, STAGES
+  plus `other` (host time between the end of one decode step and the start of the next);
+- sglang:bastion_speedup_estimated / _realised (histograms): per decode step, the plan's estimated speedup
+  over plain decoding and the realised one (tokens committed × L_AR / (batch × measured step seconds));
+- sglang:bastion_acceptance_calibration_error (gauge): |Σ Â - Σ realised| / Σ realised over recent steps;
+- sglang:bastion_acceptance_correction (gauge, label `mode` greedy|sampled): online factor on the drafted Â;
 - sglang:bastion_latency_ema_factor (gauge, most recent): the latency model's online correction;
 - sglang:bastion_uncalibrated_steps_total (counter): steps planned without a calibration profile.
 """
@@ -95,6 +106,12 @@ class StageTimer:
         return done_tag, StepTimes(**seconds)
 
 
+WARMUP_STEPS = 3
+"""Verify passes left out of the relative-error histogram (first passes pay one-off allocation costs)."""
+OTHER_STAGE = "other"
+"""Stage label of the host time between two decode steps."""
+RELATIVE_ERROR_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0)
+SPEEDUP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 TREE_NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -175,6 +192,49 @@ class BastionMetrics:
             names,
             multiprocess_mode="mostrecent",
         )
+        self.expected_accept_raw = Histogram(
+            "sglang:bastion_expected_accept_length_raw",
+            "Raw A-hat of the verified tree per request per step: 1 + sum of drafter path probabilities.",
+            names,
+            buckets=ACCEPT_BUCKETS,
+        )
+        self.verify_relative_error = Histogram(
+            "sglang:bastion_verify_relative_error",
+            "|estimated - observed| / observed verify latency per pass, after warm-up.",
+            names,
+            buckets=RELATIVE_ERROR_BUCKETS,
+        )
+        self.stage_seconds = Histogram(
+            "sglang:bastion_step_stage_seconds",
+            "Seconds per stage of a decode step (draft, plan, verify, accept, commit, other).",
+            [*names, "stage"],
+            buckets=SECONDS_BUCKETS,
+        )
+        self.speedup_estimated = Histogram(
+            "sglang:bastion_speedup_estimated",
+            "Estimated speedup over plain decoding of each decode step's plan.",
+            names,
+            buckets=SPEEDUP_BUCKETS,
+        )
+        self.speedup_realised = Histogram(
+            "sglang:bastion_speedup_realised",
+            "Realised speedup over plain decoding per decode step: tokens x L_AR / (batch x step seconds).",
+            names,
+            buckets=SPEEDUP_BUCKETS,
+        )
+        self.acceptance_error = Gauge(
+            "sglang:bastion_acceptance_calibration_error",
+            "Relative error of the expected vs realised accept length over recent steps.",
+            names,
+            multiprocess_mode="mostrecent",
+        )
+        self.acceptance_correction = Gauge(
+            "sglang:bastion_acceptance_correction",
+            "Online correction factor of the calibrated expected accept length (drafted part).",
+            [*names, "mode"],
+            multiprocess_mode="mostrecent",
+        )
+        self._verify_passes = 0
         self.uncalibrated_steps = Counter(
             "sglang:bastion_uncalibrated_steps",
             "Decode steps planned without a calibrated latency profile.",
@@ -182,12 +242,20 @@ class BastionMetrics:
         )
 
     def observe_plan(
-        self, node_counts: Sequence[int], expected_accept: Sequence[float], calibrated: bool
+        self,
+        node_counts: Sequence[int],
+        expected_accept: Sequence[float],
+        expected_accept_raw: Sequence[float],
+        estimated_speedup: float,
+        calibrated: bool,
     ) -> None:
-        """One planned step: nodes and Â per request; whether the latency model had a profile."""
-        for nodes, accept in zip(node_counts, expected_accept, strict=True):
+        """One planned step: nodes, Â and raw Â per request; the plan's estimated speedup; whether the
+        latency model had a profile."""
+        for nodes, accept, raw in zip(node_counts, expected_accept, expected_accept_raw, strict=True):
             self.tree_nodes.labels(**self._labels).observe(nodes)
             self.expected_accept.labels(**self._labels).observe(accept)
+            self.expected_accept_raw.labels(**self._labels).observe(raw)
+        self.speedup_estimated.labels(**self._labels).observe(estimated_speedup)
         if not calibrated:
             self.uncalibrated_steps.labels(**self._labels).inc()
 
@@ -196,6 +264,28 @@ class BastionMetrics:
         self.verify_estimated.labels(**self._labels).observe(estimated_seconds)
         self.verify_observed.labels(**self._labels).observe(observed_seconds)
         self.ema_factor.labels(**self._labels).set(ema_factor)
+        self._verify_passes += 1
+        if self._verify_passes > WARMUP_STEPS:
+            error = abs(estimated_seconds - observed_seconds) / observed_seconds
+            self.verify_relative_error.labels(**self._labels).observe(error)
+
+    def observe_stages(self, times: StepTimes, other_seconds: float | None) -> None:
+        """One decode step's stage seconds; other_seconds: None when no decode step came just before."""
+        for name in STAGES:
+            self.stage_seconds.labels(**self._labels, stage=name).observe(getattr(times, name))
+        if other_seconds is not None:
+            self.stage_seconds.labels(**self._labels, stage=OTHER_STAGE).observe(other_seconds)
+
+    def observe_realised_speedup(self, speedup: float) -> None:
+        self.speedup_realised.labels(**self._labels).observe(speedup)
+
+    def observe_acceptance(
+        self, calibration_error: float, greedy_correction: float, sampled_correction: float
+    ) -> None:
+        """The acceptance tracker after a step: its calibration error and per-mode corrections."""
+        self.acceptance_error.labels(**self._labels).set(calibration_error)
+        self.acceptance_correction.labels(**self._labels, mode="greedy").set(greedy_correction)
+        self.acceptance_correction.labels(**self._labels, mode="sampled").set(sampled_correction)
 
     def observe_accepted(self, accepted_drafts: Sequence[int]) -> None:
         """Accepted draft nodes per request of one step (host list); records tokens = accepted + 1."""

@@ -346,3 +346,31 @@ def evaluate_acceptance(
                 )
     means = {key: [v / len(full) for v in values] for key, values in sums.items()}
     return AcceptanceReport(passes=len(full), budgets=list(budgets), **means)
+
+
+def node_log_scores(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Path scores of a batch of trees under other top-K log-probabilities (e.g. the raw ones of a tree
+    built on calibrated values): Σ over each node's path of logprobs at the node's token.
+
+    tokens, parents, depths: [B, N] int64 (a `DraftTreeBatch`, parents before children); logprobs: [B, D, K];
+    token_ids: [B, D, K], distinct tokens per row, containing every node's token at its depth.
+    Returns [B, N] float64. No host sync.
+    """
+    batch, nodes = tokens.shape
+    if nodes == 0:
+        return torch.zeros((batch, 0), dtype=torch.float64, device=tokens.device)
+    width = token_ids.shape[-1]
+    rows = (depths - 1).clamp(min=0)[:, :, None].expand(batch, nodes, width)
+    match = token_ids.gather(1, rows) == tokens[:, :, None]  # [B, N, K], one True per node
+    own = torch.where(match, logprobs.to(torch.float64).gather(1, rows), 0.0).sum(-1)  # [B, N]
+    scores = own.clone()
+    parent_index = parents.clamp(min=0)
+    for depth in range(2, int(logprobs.shape[1]) + 1):
+        scores = torch.where(depths == depth, own + scores.gather(1, parent_index), scores)
+    return scores

@@ -39,7 +39,7 @@ def speedup_curve(
     accept = expected_accept_curve(log_scores)[1:]
     tokens = torch.arange(2, log_scores.shape[0] + 2, dtype=torch.int64)
     verify = latency.predict_many(tokens, ctx_len)
-    return accept.cpu() * costs.l_ar / (costs.t_draft + costs.t_aux + verify)
+    return accept.cpu() * costs.l_ar / costs.cycle_seconds(verify, tokens)
 
 
 def first_drop(values: torch.Tensor) -> int:
@@ -139,7 +139,7 @@ class BucketedAdaptivePolicy:
         )
         accept = expected_accept_curve(log_scores).cpu()[nodes]
         verify = latency.predict_many(nodes + 1, ctx_len)  # the latency model pads to the bucket itself
-        speedup = accept * costs.l_ar / (costs.t_draft + costs.t_aux + verify)
+        speedup = accept * costs.l_ar / costs.cycle_seconds(verify, nodes + 1)
         return int(nodes[int(torch.argmax(speedup))])  # argmax returns the first (smallest) maximiser
 
 
@@ -170,9 +170,10 @@ class BatchPlan:
 
     node_counts: tuple[int, ...]  # draft nodes verified per request
     width: int  # tokens per request in the verify pass (1 + nodes), common to the batch
-    expected_accept: tuple[float, ...]  # Â per request at its node count
+    expected_accept: tuple[float, ...]  # Â per request at its node count, online correction applied
+    expected_drafted: tuple[float, ...]  # Σ ρ of the verified nodes per request, before the correction
     estimated_verify_seconds: float  # T_verify of the whole pass, from the latency model
-    estimated_speedup: float  # Σ Â · L_AR / Ĉ for the batch
+    estimated_speedup: float  # Σ Â · L_AR / (B · Ĉ): committed tokens per second over plain decoding's
 
 
 def plan_batch(
@@ -182,11 +183,16 @@ def plan_batch(
     costs: StepCosts,
     policy: BudgetPolicy,
     common_width: bool = True,
+    accept_scale: Sequence[float] | None = None,
 ) -> BatchPlan:
     """Choose per-request node counts for one verify pass shared by the whole batch.
 
-    Objective: maximise the batch's expected committed tokens per second, Σ_i Â_i(n_i) / Ĉ(n_1..n_B), where
-    Ĉ = T_draft + T_aux + T_verify of one pass over all requests' tokens (`LatencyModel.predict_batch`).
+    Objective: maximise the batch's expected committed tokens per second, Σ_i Â_i(n_i) / Ĉ(n_1..n_B), reported
+    as a speedup over plain decoding, Σ_i Â_i · L_AR / (B · Ĉ) with L_AR = `costs.l_ar`, the seconds of one
+    plain decode step of the whole batch (which commits B tokens), where
+    Ĉ = `StepCosts.cycle_seconds` of one pass over all requests' tokens (`LatencyModel.predict_batch`), and
+    Â_i(n) = 1 + c_i·Σ_{j≤n} ρ_ij with c_i = accept_scale[i] (the online acceptance correction; 1 if None):
+    a constant factor per request keeps each row's best-first order, so the trees stay optimal for Â.
     With `common_width` (SGLang's verify needs one width per batch) every request verifies the same n:
     adaptive takes the first drop of Σ_i Â_i(n) / Ĉ(n) (a sum of concave curves over a convex cost, so
     unimodal); bucketed takes the best bucket; fixed and chain take their n. Without `common_width` the
@@ -197,15 +203,25 @@ def plan_batch(
     batch = trees.batch_size
     if len(ctx_lens) != batch:
         raise ValueError(f"ctx_lens has {len(ctx_lens)} entries for a batch of {batch}")
-    gains = torch.exp(trees.log_scores.to(torch.float64)).cpu()  # host copy: planning is host-side
-    # accept[i][n] = Â_i(n), n = 0..N
-    accept = torch.cat([torch.ones(batch, 1, dtype=torch.float64), 1.0 + gains.cumsum(1)], dim=1).tolist()
+    raw_gains = torch.exp(trees.log_scores.to(torch.float64)).cpu()  # host copy: planning is host-side
+    if accept_scale is None:
+        scale = torch.ones(batch, 1, dtype=torch.float64)
+    elif len(accept_scale) != batch or any(not c > 0 for c in accept_scale):
+        raise ValueError(f"accept_scale needs {batch} positive factors, got {list(accept_scale)!r}")
+    else:
+        scale = torch.tensor(list(accept_scale), dtype=torch.float64)[:, None]
+    gains = raw_gains * scale
+    # drafted[i][n] = Σ_{j<=n} ρ_ij before the correction, n = 0..N; accept[i][n] = Â_i(n)
+    drafted = torch.cat([torch.zeros(batch, 1, dtype=torch.float64), raw_gains.cumsum(1)], dim=1)
+    accept = (1.0 + drafted * scale).tolist()
+    drafted_rows = drafted.tolist()
     contexts = list(ctx_lens)
 
     def objective(counts: list[int]) -> tuple[float, float]:
         verify = latency.predict_batch([n + 1 for n in counts], contexts)
         committed = sum(accept[i][n] for i, n in enumerate(counts))
-        return committed * costs.l_ar / (costs.t_draft + costs.t_aux + verify), verify
+        tokens = sum(n + 1 for n in counts)
+        return committed * costs.l_ar / (batch * costs.cycle_seconds(verify, tokens)), verify
 
     if not common_width and isinstance(policy, AdaptivePolicy):
         counts = _greedy_ragged(gains, objective)
@@ -213,7 +229,8 @@ def plan_batch(
         counts = [_common_nodes(trees.num_nodes, policy, objective, batch)] * batch
     speedup, verify = objective(counts)
     chosen_accept = tuple(accept[i][n] for i, n in enumerate(counts))
-    return BatchPlan(tuple(counts), max(counts) + 1, chosen_accept, verify, speedup)
+    chosen_drafted = tuple(drafted_rows[i][n] for i, n in enumerate(counts))
+    return BatchPlan(tuple(counts), max(counts) + 1, chosen_accept, chosen_drafted, verify, speedup)
 
 
 def _common_nodes(available: int, policy: BudgetPolicy, objective: Objective, batch: int) -> int:

@@ -15,6 +15,7 @@ from bastion_sglang.controller.acceptance import (
     conditional_events,
     evaluate_acceptance,
     fit_acceptance,
+    node_log_scores,
     realised_accept_length,
 )
 from bastion_sglang.controller.batched import build_trees
@@ -165,3 +166,30 @@ def test_tracker_clips_the_correction() -> None:
         tracker.observe([0.1], [5], greedy=[True], corrections=[1.0])
     assert tracker.correction(True) == 4.0
     assert math.isfinite(tracker.calibration_error)
+
+
+def test_node_log_scores_recover_the_raw_path_scores() -> None:
+    generator = torch.Generator().manual_seed(5)
+    logprobs = (
+        torch.log_softmax(torch.randn(3, 5, 6, generator=generator), -1).sort(-1, descending=True).values
+    )
+    token_ids = torch.stack([torch.randperm(100, generator=generator)[:30].view(5, 6) for _ in range(3)])
+    calibration = AcceptanceCalibration(slopes=[1.5, 2.5], offsets=[-0.1, -0.4], events=[1, 1])
+    raw_trees = build_trees(logprobs, token_ids, 25)
+    # on the raw tree, the recomputed scores are the builder's own scores
+    assert torch.allclose(
+        node_log_scores(raw_trees.tokens, raw_trees.parents, raw_trees.depths, logprobs, token_ids),
+        raw_trees.log_scores,
+    )
+    # on a tree built from calibrated values, they are the raw scores of that tree's paths
+    trees = build_trees(calibration.apply(logprobs), token_ids, 25)
+    scores = node_log_scores(trees.tokens, trees.parents, trees.depths, logprobs, token_ids)
+    for b in range(3):
+        for i in range(trees.num_nodes):
+            expected, node = 0.0, i
+            while node >= 0:
+                depth = int(trees.depths[b, node])
+                rank = (token_ids[b, depth - 1] == trees.tokens[b, node]).nonzero().item()
+                expected += float(logprobs[b, depth - 1, rank])
+                node = int(trees.parents[b, node])
+            assert float(scores[b, i]) == pytest.approx(expected, abs=1e-6)

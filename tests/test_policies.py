@@ -151,11 +151,36 @@ def batch_trees(batch: int, budget: int, seed: int):
     return build_trees(top.values, top.indices, budget)
 
 
-def batch_objective(trees, counts: list[int], contexts: list[int], model: LatencyModel) -> float:
+def batch_objective(
+    trees, counts: list[int], contexts: list[int], model: LatencyModel, scale: list[float] | None = None
+) -> float:
+    """Σ_i Â_i · L_AR / (B · Ĉ), Â_i = 1 + c_i Σ ρ (independent of the policy code)."""
     gains = torch.exp(trees.log_scores)
-    accept = sum(1.0 + float(gains[i, :n].sum()) for i, n in enumerate(counts))
+    factors = scale if scale is not None else [1.0] * len(counts)
+    accept = sum(1.0 + factors[i] * float(gains[i, :n].sum()) for i, n in enumerate(counts))
     verify = model.predict_batch([n + 1 for n in counts], contexts)
-    return accept * COSTS.l_ar / (COSTS.t_draft + COSTS.t_aux + verify)
+    return accept * COSTS.l_ar / (len(counts) * (COSTS.t_draft + COSTS.t_aux + verify))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_batch_accept_scale_is_the_best_width_for_the_scaled_accept(seed: int) -> None:
+    trees = batch_trees(3, 128, seed)
+    contexts = [100, 900, 40]
+    scale = [0.5, 1.0, 2.0]
+    model = latency()
+    plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), accept_scale=scale)
+    brute = [batch_objective(trees, [n] * 3, contexts, model, scale) for n in range(1, 129)]
+    assert plan.estimated_speedup == pytest.approx(max(brute), rel=1e-12)
+    n = plan.node_counts[0]
+    gains = torch.exp(trees.log_scores)
+    for i in range(3):
+        assert plan.expected_drafted[i] == pytest.approx(float(gains[i, :n].sum()), rel=1e-12)
+        assert plan.expected_accept[i] == pytest.approx(1.0 + scale[i] * plan.expected_drafted[i], rel=1e-12)
+    # a smaller correction never buys a larger tree
+    halved = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), accept_scale=[0.25] * 3)
+    assert halved.node_counts[0] <= plan_batch(trees, contexts, model, COSTS, AdaptivePolicy()).node_counts[0]
+    with pytest.raises(ValueError, match="accept_scale needs 3 positive factors"):
+        plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), accept_scale=[1.0, 0.0, 1.0])
 
 
 @pytest.mark.parametrize("seed", range(4))
