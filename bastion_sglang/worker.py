@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,19 +46,30 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from bastion_sglang import kernels
-from bastion_sglang.calibration.identity import RuntimeIdentity
+from bastion_sglang.calibration.identity import RuntimeIdentity, model_config_hash
+from bastion_sglang.calibration.lookup import (
+    ResolvedProfile,
+    resolve_acceptance,
+    resolve_latency_profile,
+)
 from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
-from bastion_sglang.calibration.lookup import resolve_latency_profile
 from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller import plan_batch
-from bastion_sglang.controller.batched import build_trees_unchecked
+from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_unchecked
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
 from bastion_sglang.graph_buckets import VerifyRows, VerifyShape, pad_verify_rows, planning_widths, real_rows
 from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
-from bastion_sglang.metrics import BastionMetrics, StageTimer, StepTimes, scheduler_metric_labels
+from bastion_sglang.metrics import (
+    BastionMetrics,
+    SpeedupLedger,
+    StageTimer,
+    StepTimes,
+    scheduler_metric_labels,
+)
 from bastion_sglang.registration import config_of
 from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
 
@@ -100,11 +112,13 @@ def worker_latency_model(
     dtype: torch.dtype,
     device: torch.device,
     width_buckets: Sequence[int] | None = None,
+    resolved: ResolvedProfile | None = None,
 ) -> tuple[LatencyModel, StepCosts | None]:
     """The verify-latency model and, from a profile, the fixed step costs (None: measured online).
 
     width_buckets: the widths verify passes run at (`graph_buckets.planning_widths`: a W between captured
-    CUDA-graph widths costs the width it is padded to); None: every W runs as it is.
+    CUDA-graph widths costs the width it is padded to); None: every W runs as it is. resolved: the profile
+    `resolve_worker_profile` found (None: resolve it here).
 
     `--bastion-profile PATH` loads that profile (a profile measured for another device or model: a warning
     naming both; a corrupt or wrong-version file: ProfileError naming it, so the server refuses to start).
@@ -113,6 +127,24 @@ def worker_latency_model(
     CPU, the GPU's datasheet otherwise) corrected online by the EMA, and one warning that names the
     `bastion calibrate` command to run.
     """
+    if resolved is None:
+        resolved = resolve_worker_profile(config, server_args, dtype, device)
+    if resolved.profile is not None:
+        logger.info("BASTION: planning with latency profile %s", resolved.path)
+        hardware = None
+    else:
+        hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
+    latency = build_calibrated_latency_model(
+        resolved, target_config, hardware, config.ema_alpha, width_buckets
+    )
+    return latency, None if resolved.profile is None else resolved.profile.step_costs
+
+
+def resolve_worker_profile(
+    config: BastionConfig, server_args: ServerArgs, dtype: torch.dtype, device: torch.device
+) -> ResolvedProfile:
+    """The calibration profile of this runtime (`--bastion-profile`: a path, or `auto` from the store); its
+    warnings are logged here, once."""
     identity = RuntimeIdentity.for_runtime(
         device=device,
         model_path=server_args.model_path,
@@ -126,15 +158,29 @@ def worker_latency_model(
     resolved = resolve_latency_profile(spec, identity, ProfileStore.locate(None))
     for warning in resolved.warnings:
         logger.warning("BASTION: %s", warning)
-    if resolved.profile is not None:
-        logger.info("BASTION: planning with latency profile %s", resolved.path)
-        hardware = None
-    else:
-        hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
-    latency = build_calibrated_latency_model(
-        resolved, target_config, hardware, config.ema_alpha, width_buckets
-    )
-    return latency, None if resolved.profile is None else resolved.profile.step_costs
+    return resolved
+
+
+def worker_acceptance(
+    resolved: ResolvedProfile, draft_model_path: str | None
+) -> AcceptanceCalibration | None:
+    """The profile's acceptance calibration when it fits this drafter (else None, with a warning logged)."""
+    try:
+        drafter_hash = model_config_hash(draft_model_path) if draft_model_path else None
+    except ValueError:
+        drafter_hash = None  # a hub id not in the local cache: nothing to compare against
+    calibration, warnings = resolve_acceptance(resolved, drafter_hash)
+    for warning in warnings:
+        logger.warning("BASTION: %s", warning)
+    if calibration is not None:
+        logger.info("BASTION: planning with the acceptance calibration of %s", resolved.path)
+    return calibration
+
+
+def is_greedy(req: Req) -> bool:
+    """Whether the request decodes greedily (SGLang normalises temperature 0 to top_k = 1)."""
+    params = req.sampling_params
+    return params.top_k == 1 or params.temperature <= 0.0
 
 
 def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int) -> torch.Tensor:
@@ -228,14 +274,23 @@ class BastionWorker(DFlashWorkerV2):
         self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
         self._graph_widths = planned_graph_widths(torch.device(self.device), self.config.width_buckets)
         self._verify_graphs = VerifyGraphs({})  # captured in init_cuda_graphs
+        dtype = self.model_runner.model_config.dtype
+        resolved = resolve_worker_profile(self.config, server_args, dtype, torch.device(self.device))
         self.latency, self._profile_costs = worker_latency_model(
             self.config,
             server_args,
             self.model_runner.model_config.hf_config.to_dict(),
-            self.model_runner.model_config.dtype,
+            dtype,
             torch.device(self.device),
             planning_widths(self._graph_widths, self.config.verify_width_cap),
+            resolved,
         )
+        self._acceptance = worker_acceptance(resolved, server_args.speculative_draft_model_path)
+        self._acceptance_tracker = AcceptanceTracker()
+        self._pending_acceptance: tuple[list[float], list[bool], list[float]] | None = None
+        self._speedups = SpeedupLedger()
+        self._step_index = 0
+        self._last_decode_end: float | None = None  # host clock at the end of the last decode step
         self._proposer = load_draft_proposer(self.config)
         self._timer = StageTimer(torch.device(self.device))
         self._draft_seconds = 0.0
@@ -284,6 +339,7 @@ class BastionWorker(DFlashWorkerV2):
     ) -> GenerationBatchResult:
         """Prefill (SGLang's DFlash path, which also fills the drafter KV) or one BASTION decode step."""
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            self._last_decode_end = None  # the next decode step does not follow a decode step
             result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
             result.next_draft_input = BastionDraftInput(
                 bonus_tokens=result.next_token_ids.to(torch.int64),
@@ -299,6 +355,8 @@ class BastionWorker(DFlashWorkerV2):
     # ---- one decode step -------------------------------------------------------------------------
 
     def _decode_step(self, batch: ScheduleBatch, grammar_barrier: Any) -> GenerationBatchResult:
+        step_start = time.perf_counter()
+        other = None if self._last_decode_end is None else step_start - self._last_decode_end
         draft_input: BastionDraftInput = batch.spec_info
         bs = batch.batch_size()
         prefix = batch.seq_lens.to(torch.int64)  # [B] committed tokens with KV
@@ -313,12 +371,24 @@ class BastionWorker(DFlashWorkerV2):
                 draft_logits = self._proposer(batch.reqs, draft_logits)
             top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
-            trees = build_trees_unchecked(top.logprobs, top.token_ids, self.config.max_budget)
-            plan = plan_batch(trees, contexts, self.latency, self._step_costs(contexts), self.config.policy)
+            plan_logprobs = top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
+            trees = build_trees_unchecked(plan_logprobs, top.token_ids, self.config.max_budget)
+            greedy = [is_greedy(req) for req in batch.reqs]
+            scales = self._acceptance_tracker.corrections(greedy)
+            costs = self._step_costs(contexts)
+            plan = plan_batch(trees, contexts, self.latency, costs, self.config.policy, accept_scale=scales)
             width = plan.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
+            self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)
+            self._speedups.plan(self._step_index, costs.l_ar, bs)
             if self._metrics is not None:
-                self._metrics.observe_plan(plan.node_counts, plan.expected_accept, self.latency.calibrated)
+                self._metrics.observe_plan(
+                    plan.node_counts,
+                    plan.expected_accept,
+                    self._raw_expected_accept(trees, top, plan.node_counts),
+                    plan.estimated_speedup,
+                    self.latency.calibrated,
+                )
             rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
             layout = kernels.build_verify_layout(rows, prefix)
             verify_rows = pad_verify_rows(rows, layout, shape.width)
@@ -384,7 +454,10 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 logits_output.next_token_logits = chain_logits.reshape(bs * width, -1)
                 compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=width)
-        self._observe(self._timer.finish_step(([shape.width] * bs, contexts, plan.estimated_verify_seconds)))
+        tag = (self._step_index, [shape.width] * bs, contexts, plan.estimated_verify_seconds, other)
+        self._observe(self._timer.finish_step(tag))
+        self._step_index += 1
+        self._last_decode_end = time.perf_counter()
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -505,6 +578,17 @@ class BastionWorker(DFlashWorkerV2):
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         """SGLang's hook once a step's accepted counts are on the host: the realised accept lengths."""
+        if self._pending_acceptance is not None:
+            drafted, greedy, scales = self._pending_acceptance
+            self._pending_acceptance = None
+            tracker = self._acceptance_tracker
+            tracker.observe(drafted, num_correct_drafts_per_req, greedy, scales)
+            if self._metrics is not None:
+                self._metrics.observe_acceptance(
+                    tracker.calibration_error, tracker.correction(True), tracker.correction(False)
+                )
+        committed = sum(num_correct_drafts_per_req) + len(num_correct_drafts_per_req)
+        self._report_speedup(self._speedups.committed(self._step_index - 1, committed))
         if self._metrics is not None:
             self._metrics.observe_accepted(num_correct_drafts_per_req)
 
@@ -517,14 +601,36 @@ class BastionWorker(DFlashWorkerV2):
             t_draft=self._draft_seconds, t_aux=self._aux_seconds, l_ar=self.latency.predict(1, typical)
         )
 
-    def _observe(self, finished: tuple[tuple[list[int], list[int], float], StepTimes] | None) -> None:
+    def _raw_expected_accept(
+        self, trees: DraftTreeBatch, top: kernels.DraftTopK, counts: Sequence[int]
+    ) -> list[float]:
+        """Raw Â per request of the planned trees: 1 + Σ of the drafter's uncalibrated path probabilities."""
+        if self._acceptance is None:
+            scores = trees.log_scores
+        else:
+            scores = node_log_scores(trees.tokens, trees.parents, trees.depths, top.logprobs, top.token_ids)
+        gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric
+        return [1.0 + (float(gains[i, n - 1]) if n > 0 else 0.0) for i, n in enumerate(counts)]
+
+    def _report_speedup(self, speedup: float | None) -> None:
+        if speedup is not None and self._metrics is not None:
+            self._metrics.observe_realised_speedup(speedup)
+
+    def _observe(
+        self, finished: tuple[tuple[int, list[int], list[int], float, float | None], StepTimes] | None
+    ) -> None:
         """Feed a finished step's measured seconds to the latency EMA, the running cost means, the metrics.
 
-        finished: ((verify widths [B], contexts [B], estimated verify seconds), stage times), or None.
+        finished: ((step index, verify widths [B], contexts [B], estimated verify seconds, host seconds since
+        the previous decode step or None), stage times), or None.
         """
         if finished is None:
             return
-        (widths, contexts, estimated), times = finished
+        (step, widths, contexts, estimated, other), times = finished
+        step_seconds = times.draft + times.verify + times.aux + (other or 0.0)
+        self._report_speedup(self._speedups.timed(step, step_seconds))
+        if self._metrics is not None:
+            self._metrics.observe_stages(times, other)
         if times.verify > 0:
             self.latency.observe_batch(widths, contexts, times.verify)
             if self._metrics is not None:

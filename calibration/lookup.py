@@ -23,6 +23,7 @@ from typing import Any
 
 from bastion_sglang.calibration.identity import RuntimeIdentity
 from bastion_sglang.calibration.store import ProfileStore
+from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import CalibrationProfile, load_profile
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
@@ -140,3 +141,25 @@ def build_latency_model(
         )
     element_bytes = resolved.identity.torch_dtype.itemsize
     return LatencyModel(RooflineModel(shape, hardware, element_bytes), None, ema_alpha, width_buckets)
+
+
+def resolve_acceptance(
+    resolved: ResolvedProfile, drafter_config_hash: str | None
+) -> tuple[AcceptanceCalibration | None, tuple[str, ...]]:
+    """The acceptance calibration to plan with, and warnings for the caller to log.
+
+    The profile's calibration is used when it was fitted for this drafter (same config hash, or either hash
+    unknown); a calibration of another drafter is ignored with a warning (raw path probabilities, corrected
+    online). None without a profile or when the profile has no calibration.
+    """
+    profile = resolved.profile
+    if profile is None or profile.acceptance is None:
+        return None, ()
+    fitted_for = profile.acceptance.drafter_config_hash
+    if fitted_for is not None and drafter_config_hash is not None and fitted_for != drafter_config_hash:
+        return None, (
+            f"the acceptance calibration in {resolved.path} was fitted for drafter config {fitted_for[:12]}, "
+            f"this drafter is {drafter_config_hash[:12]}; planning with the raw drafter probabilities "
+            "(corrected online). Re-run bastion calibrate with this drafter.",
+        )
+    return profile.acceptance, ()

@@ -34,6 +34,7 @@ from pydantic import (
     field_validator,
 )
 
+from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceReport
 from bastion_sglang.controller.latency import (
     FitReport,
     LatencyFit,
@@ -102,6 +103,8 @@ class StepCosts(BaseModel):
         verify_seconds: predicted verify seconds (float or [M] tensor); verify_tokens: tokens the pass holds
         over the whole batch (int or [M] tensor, broadcast with verify_seconds). Returns seconds, same kind.
         """
+        if isinstance(verify_tokens, torch.Tensor):
+            verify_tokens = verify_tokens.to(torch.float64)
         return self.t_draft + self.t_aux + self.t_aux_per_token * verify_tokens + verify_seconds
 
 
@@ -121,6 +124,12 @@ class CalibrationProfile(BaseModel):
     step_costs: StepCosts
     width_buckets: list[int] | None = Field(description="captured verify widths, tokens per request")
     max_context: int = Field(ge=1, description="largest cached context the calibration covered, tokens")
+    acceptance: AcceptanceCalibration | None = Field(
+        default=None, description="the drafter's acceptance calibration (None: raw path probabilities)"
+    )
+    acceptance_report: AcceptanceReport | None = Field(
+        default=None, description="held-out expected vs realised accept length, raw and calibrated"
+    )
 
     @field_validator("width_buckets")
     @classmethod

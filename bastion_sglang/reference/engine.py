@@ -405,4 +405,4 @@ class ReferenceEngine:
         predicted = self.latency.predict(width, ctx)
         self.latency.observe(width, ctx, seconds.verify)
         self._costs.observe(seconds.draft, seconds.plan + seconds.accept)
-        return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds)
+        return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds, proposal)

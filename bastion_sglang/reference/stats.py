@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bastion_sglang.kernels.types import DraftTopK
+
 STAGES = ("draft", "plan", "verify", "accept")
 
 Mark = float | torch.cuda.Event
@@ -92,6 +94,7 @@ class StepStats:
     emitted: int  # tokens this step added to the output (accepted + 1, fewer when a stop cut it)
     predicted_verify_seconds: float  # the latency model's prediction for (W, ctx_len) before observing
     seconds: StageSeconds
+    draft: DraftTopK | None = None  # the drafter's top-K of the step, [1, D, K] (None for a plain step)
 
 
 @dataclass(frozen=True)
