@@ -6,8 +6,10 @@
 
 Steps: measure the device's peak matmul FLOP/s and copy bandwidth (printed next to its KNOWN_GPUS entry);
 load the engine; measure the verify grid (`sweep`), fit the calibrated roofline on the measured peaks,
-measure T_draft, L_AR and T_aux; print the raw and calibrated RMSE / MAPE; write the profile (JSON) into the
-store, or to --out, and its plot (PNG, same stem) next to it.
+measure T_draft, L_AR and T_aux; print the raw and calibrated RMSE / MAPE; unless --no-acceptance, calibrate
+the drafter's acceptance on real prompts (`acceptance_run`) and print expected vs realised accept length, raw
+and calibrated, on held-out prompts; write the profile (JSON) into the store, or to --out, and its plot (PNG,
+same stem) next to it.
 
 Defaults (each logged when taken) are listed in `EPILOG`, which `--help` prints.
 Exit status 0 on success, 2 for a bad argument or an unusable model / profile path.
@@ -26,6 +28,11 @@ from pathlib import Path
 
 import torch
 
+from bastion_sglang.calibration.acceptance_run import (
+    AcceptanceSettings,
+    describe_acceptance,
+    measure_acceptance,
+)
 from bastion_sglang.calibration.engines import REFERENCE_BACKENDS, open_engine
 from bastion_sglang.calibration.fitting import build_profile, now_utc
 from bastion_sglang.calibration.identity import (
@@ -117,6 +124,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store", help="profile store folder (default: $BASTION_PROFILE_STORE or ~/.cache/...)"
     )
     parser.add_argument("--out", help="write the profile here instead of into the store (PNG next to it)")
+    acceptance = parser.add_argument_group(
+        "acceptance calibration",
+        "The drafter decodes real prompts on the reference engine (T = 0); its path probabilities are mapped "
+        "to the acceptance the target realises (per depth), fitted on two thirds of the prompts and scored "
+        "on the rest. The server plans with the calibrated values.",
+    )
+    acceptance.add_argument(
+        "--acceptance-prompts",
+        default=AcceptanceSettings.prompt_set,
+        help="prompt set (sharegpt, mtbench, humaneval: their held-out split) or a JSONL file; "
+        f"default {AcceptanceSettings.prompt_set}",
+    )
+    acceptance.add_argument(
+        "--acceptance-num-prompts",
+        type=int,
+        default=AcceptanceSettings.num_prompts,
+        help=f"prompts decoded; default {AcceptanceSettings.num_prompts}",
+    )
+    acceptance.add_argument(
+        "--acceptance-max-new-tokens",
+        type=int,
+        default=AcceptanceSettings.max_new_tokens,
+        help=f"tokens decoded per prompt; default {AcceptanceSettings.max_new_tokens}",
+    )
+    acceptance.add_argument(
+        "--no-acceptance", action="store_true", help="skip the acceptance calibration (latency only)"
+    )
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -200,6 +234,7 @@ class CalibrationPlan:
     settings: SweepSettings
     out: Path | None  # the profile's path when given (--out), else None: a file of `store`
     store: ProfileStore | None  # where the profile goes without --out
+    acceptance: AcceptanceSettings | None = None  # None: no acceptance calibration
 
     @property
     def max_context(self) -> int:
@@ -234,6 +269,15 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
         widths=widths, contexts=context_grid(args.max_context), warmup=args.warmup, repeats=args.repeats
     )
     out = Path(args.out) if args.out else None
+    acceptance = (
+        None
+        if args.no_acceptance
+        else AcceptanceSettings(
+            prompt_set=args.acceptance_prompts,
+            num_prompts=args.acceptance_num_prompts,
+            max_new_tokens=args.acceptance_max_new_tokens,
+        )
+    )
     return CalibrationPlan(
         model_path=_local_or_hub(args.model_path),
         draft_model_path=_local_or_hub(args.draft_model_path),
@@ -245,6 +289,7 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
         settings=settings,
         out=out,
         store=None if out is not None else ProfileStore.locate(args.store),
+        acceptance=acceptance,
     )
 
 
@@ -323,6 +368,8 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         step_costs=steps.costs,
         max_context=plan.max_context,
     )
+    if plan.acceptance is not None:
+        profile = with_acceptance(profile, plan, plan.acceptance)
     if plan.out is not None:
         path = plan.out
     elif plan.store is not None:
@@ -335,6 +382,37 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
     plot = plot_profile(profile, plot_path_for(path))
     logger.info("wrote %s and %s", path, plot)
     return CalibrationResult(profile, path, plot)
+
+
+def with_acceptance(
+    profile: CalibrationProfile, plan: CalibrationPlan, settings: AcceptanceSettings
+) -> CalibrationProfile:
+    """`profile` with the acceptance calibration measured and fitted as `settings` say; unchanged, with a
+    warning that says why, when the drafter and prompts cannot give one (no tokenizer, too few matches)."""
+    logger.info(
+        "acceptance calibration: %d prompts of %s, %d new tokens each, on the reference engine",
+        settings.num_prompts,
+        settings.prompt_set,
+        settings.max_new_tokens,
+    )
+    try:
+        result = measure_acceptance(
+            plan.model_path,
+            plan.draft_model_path,
+            device=plan.device,
+            dtype=plan.dtype,
+            settings=settings,
+        )
+    except (ValueError, OSError) as error:
+        logger.warning(
+            "no acceptance calibration in this profile (the server will plan with the raw drafter "
+            "probabilities, corrected online): %s",
+            error,
+        )
+        return profile
+    for line in describe_acceptance(result.report):
+        print(line)
+    return profile.model_copy(update={"acceptance": result.calibration, "acceptance_report": result.report})
 
 
 def run(args: argparse.Namespace) -> int:
