@@ -1,0 +1,54 @@
+"""StepCostTracker: the online fit of the step's work outside the forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.step_costs import StepCostTracker
+
+
+def test_recovers_a_line_in_the_verify_tokens() -> None:
+    tracker = StepCostTracker(decay=0.99, warmup=1)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        tokens = int(rng.integers(2, 200))
+        tracker.observe(0.02, 0.003 + 2e-5 * tokens + rng.normal(0, 1e-5), tokens)
+    t_aux, per_token = tracker.aux_line()
+    assert t_aux == pytest.approx(0.003, rel=0.02)
+    assert per_token == pytest.approx(2e-5, rel=0.02)
+    costs = tracker.costs(l_ar=0.05)
+    assert costs.t_draft == pytest.approx(0.02) and costs.l_ar == 0.05
+
+
+def test_constant_width_gives_the_mean_and_no_slope() -> None:
+    tracker = StepCostTracker(warmup=1)
+    for seconds in (0.004, 0.006):
+        tracker.observe(0.01, seconds, 17)
+    t_aux, per_token = tracker.aux_line()
+    assert per_token == 0.0
+    assert 0.004 < t_aux < 0.006
+
+
+def test_falling_cost_never_gives_a_negative_slope() -> None:
+    tracker = StepCostTracker(warmup=1)
+    for tokens, seconds in ((2, 0.01), (64, 0.005), (128, 0.001)):
+        tracker.observe(0.0, seconds, tokens)
+    t_aux, per_token = tracker.aux_line()
+    assert per_token == 0.0 and t_aux > 0
+
+
+def test_prior_is_used_during_warmup() -> None:
+    prior = StepCosts(t_draft=0.5, t_aux=0.25, l_ar=1.0, t_aux_per_token=0.125)
+    tracker = StepCostTracker(prior=prior, warmup=3)
+    tracker.observe(0.01, 0.01, 4)
+    tracker.observe(0.01, 0.01, 4)
+    assert tracker.costs(l_ar=0.2) == StepCosts(t_draft=0.5, t_aux=0.25, l_ar=0.2, t_aux_per_token=0.125)
+    tracker.observe(0.01, 0.01, 4)
+    assert tracker.costs(l_ar=0.2).t_draft == pytest.approx(0.01)
+
+
+def test_rejects_bad_decay() -> None:
+    with pytest.raises(ValueError, match="decay"):
+        StepCostTracker(decay=1.0)
