@@ -92,3 +92,30 @@ def test_acceptance_settings_reject_bad_values() -> None:
         AcceptanceSettings(num_prompts=0)
     with pytest.raises(ValueError, match="at least 3 prompts"):
         AcceptanceSettings(num_prompts=2)
+
+
+def test_calibrated_reference_engine_keeps_the_target_output(demo_target: DemoTarget) -> None:
+    from bastion_sglang.controller.acceptance import AcceptanceCalibration
+    from bastion_sglang.reference import ReferenceEngine
+
+    calibration = AcceptanceCalibration(slopes=[0.9, 0.6], offsets=[-0.4, -1.2], events=[1, 1])
+    engine = ReferenceEngine(
+        demo_target.path,
+        DRAFTER,
+        device="cpu",
+        dtype=torch.float32,
+        hardware=PLANNING_HARDWARE,
+        acceptance=calibration,
+    )
+    settings = AcceptanceSettings(prompt_set="humaneval", num_prompts=3)
+    ids = prompt_token_ids(demo_target.path, settings)[0]
+    plain = engine.generate(ids, 32, policy="ar")
+    calibrated = engine.generate(ids, 32, policy="fixed:8")
+    assert calibrated.tokens == plain.tokens
+    raw = ReferenceEngine(
+        demo_target.path, DRAFTER, device="cpu", dtype=torch.float32, hardware=PLANNING_HARDWARE
+    )
+    step = calibrated.steps[0]
+    raw_step = raw.generate(ids, 32, policy="fixed:8").steps[0]
+    # the map lowers the confident candidates (log q > -1.5) that make up these trees: a smaller Â
+    assert step.expected_accept < raw_step.expected_accept

@@ -38,6 +38,7 @@ from bastion_sglang.controller import (
     expected_accept_length,
     parse_policy,
 )
+from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
@@ -129,6 +130,8 @@ class ReferenceEngine:
         then: there is no default GPU), with `width_buckets` if given. Its EMA is updated every step.
     step_costs: T_draft, T_aux and L_AR for the policies; None: T_draft and T_aux are EMAs of this engine's
         measured stages and L_AR is the latency model's prediction for one token at the current context.
+    acceptance: the drafter's acceptance calibration (trees are built on its calibrated log-probabilities,
+        so Â and the policies see calibrated values); None: the raw drafter probabilities.
     max_nodes: N_max, the tree budget of the adaptive policies. eos_token_ids: None reads the target's
         generation config.
     """
@@ -144,6 +147,7 @@ class ReferenceEngine:
         latency: LatencyModel | None = None,
         width_buckets: Sequence[int] | None = None,
         step_costs: StepCosts | None = None,
+        acceptance: AcceptanceCalibration | None = None,
         max_nodes: int = 1024,
         attn_implementation: str = "sdpa",
         eos_token_ids: Sequence[int] | None = None,
@@ -160,6 +164,7 @@ class ReferenceEngine:
         self.target = TargetModel(model, self.proposer.feature_layers if self.proposer is not None else ())
         self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
         self.step_costs = step_costs
+        self.acceptance = acceptance
         self._costs = _CostTracker()
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
@@ -374,7 +379,10 @@ class ReferenceEngine:
             draft_input = DraftInput(state.tokens[: state.length], state.new_features)
             proposal = self.proposer.propose(draft_input, state.topk)
         with timer.stage("plan"):
-            trees = build_trees_auto(proposal.logprobs, proposal.token_ids, state.budget)
+            logprobs = (
+                proposal.logprobs if self.acceptance is None else self.acceptance.apply(proposal.logprobs)
+            )
+            trees = build_trees_auto(logprobs, proposal.token_ids, state.budget)
             nodes = policy.choose(trees.log_scores[0], ctx, self.latency, self._costs_now(ctx))
             expected = expected_accept_length(trees.row(0), nodes)  # host sync: Â for the statistics
             rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], nodes + 1)
