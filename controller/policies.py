@@ -59,6 +59,10 @@ class BudgetPolicy(Protocol):
     def topk_cap(self) -> int | None:
         """Candidates per depth the tree may use (1 for a chain); None: whatever the drafter gives."""
 
+    @property
+    def may_decline(self) -> bool:
+        """Whether the policy may choose plain decoding (n = 0 for the batch) when no tree pays."""
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         """log_scores: [N] float64 best-first log ρ; ctx_len: cached tokens; returns n in 0..N."""
 
@@ -77,6 +81,10 @@ class FixedPolicy:
     def topk_cap(self) -> int | None:
         return None
 
+    @property
+    def may_decline(self) -> bool:
+        return False
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         return min(self.nodes, int(log_scores.shape[0]))
 
@@ -89,6 +97,10 @@ class ChainPolicy:
     def topk_cap(self) -> int | None:
         return 1
 
+    @property
+    def may_decline(self) -> bool:
+        return False
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         return int(log_scores.shape[0])
 
@@ -100,6 +112,10 @@ class AdaptivePolicy:
     @property
     def topk_cap(self) -> int | None:
         return None
+
+    @property
+    def may_decline(self) -> bool:
+        return True
 
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         if log_scores.shape[0] == 0:
@@ -129,6 +145,10 @@ class BucketedAdaptivePolicy:
     @property
     def topk_cap(self) -> int | None:
         return None
+
+    @property
+    def may_decline(self) -> bool:
+        return True
 
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         available = int(log_scores.shape[0])
@@ -174,6 +194,27 @@ class BatchPlan:
     expected_drafted: tuple[float, ...]  # Σ ρ of the verified nodes per request, before the correction
     estimated_verify_seconds: float  # T_verify of the whole pass, from the latency model
     estimated_speedup: float  # Σ Â · L_AR / (B · Ĉ): committed tokens per second over plain decoding's
+    speculative_speedup: float  # estimated speedup of the best speculative plan (= estimated_speedup unless
+    # the policy declined to speculate, when estimated_speedup is 1)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether any request verifies a draft node."""
+        return self.width > 1
+
+
+def plain_plan(batch: int, l_ar: float, speculative_speedup: float = 1.0) -> BatchPlan:
+    """Plain decoding for a batch of `batch` requests: no draft node, one token each, speedup exactly 1.
+    l_ar: the plain decode step's seconds (the pass it runs)."""
+    return BatchPlan(
+        node_counts=(0,) * batch,
+        width=1,
+        expected_accept=(1.0,) * batch,
+        expected_drafted=(0.0,) * batch,
+        estimated_verify_seconds=l_ar,
+        estimated_speedup=1.0,
+        speculative_speedup=speculative_speedup,
+    )
 
 
 def plan_batch(
@@ -184,6 +225,7 @@ def plan_batch(
     policy: BudgetPolicy,
     common_width: bool = True,
     accept_scale: Sequence[float] | None = None,
+    allow_plain: bool = False,
 ) -> BatchPlan:
     """Choose per-request node counts for one verify pass shared by the whole batch.
 
@@ -193,6 +235,8 @@ def plan_batch(
     Ĉ = `StepCosts.cycle_seconds` of one pass over all requests' tokens (`LatencyModel.predict_batch`), and
     Â_i(n) = 1 + c_i·Σ_{j≤n} ρ_ij with c_i = accept_scale[i] (the online acceptance correction; 1 if None):
     a constant factor per request keeps each row's best-first order, so the trees stay optimal for Â.
+    Plain decoding is option n = 0 for the whole batch, with speedup exactly 1: with `allow_plain`, a policy
+    that `may_decline` returns `plain_plan` when its best speculative plan's estimated speedup is <= 1.
     With `common_width` (SGLang's verify needs one width per batch) every request verifies the same n:
     adaptive takes the first drop of Σ_i Â_i(n) / Ĉ(n) (a sum of concave curves over a convex cost, so
     unimodal); bucketed takes the best bucket; fixed and chain take their n. Without `common_width` the
@@ -230,7 +274,9 @@ def plan_batch(
     speedup, verify = objective(counts)
     chosen_accept = tuple(accept[i][n] for i, n in enumerate(counts))
     chosen_drafted = tuple(drafted_rows[i][n] for i, n in enumerate(counts))
-    return BatchPlan(tuple(counts), max(counts) + 1, chosen_accept, chosen_drafted, verify, speedup)
+    if allow_plain and policy.may_decline and speedup <= 1.0:
+        return plain_plan(batch, costs.l_ar, speculative_speedup=speedup)
+    return BatchPlan(tuple(counts), max(counts) + 1, chosen_accept, chosen_drafted, verify, speedup, speedup)
 
 
 def _common_nodes(available: int, policy: BudgetPolicy, objective: Objective, batch: int) -> int:

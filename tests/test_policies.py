@@ -241,3 +241,25 @@ def test_brute_force_helpers_agree_on_tiny_case() -> None:
         if a == b
     )
     assert plan.node_counts == (best[1], best[1])
+
+
+def test_plan_batch_declines_when_no_tree_pays() -> None:
+    trees = batch_trees(2, 64, 0)
+    model = latency()
+    slow_draft = StepCosts(t_draft=1.0, t_aux=0.5e-3, l_ar=18e-3)  # a drafter pass costs 50 plain steps
+    plan = plan_batch(trees, [100, 100], model, slow_draft, AdaptivePolicy(), allow_plain=True)
+    assert plan.node_counts == (0, 0) and plan.width == 1 and not plan.speculates
+    assert plan.estimated_speedup == 1.0 and plan.expected_accept == (1.0, 1.0)
+    assert 0 < plan.speculative_speedup < 1.0
+    # the same plan without the option speculates, at the speculative speedup it reported
+    forced = plan_batch(trees, [100, 100], model, slow_draft, AdaptivePolicy())
+    assert forced.speculates and forced.estimated_speedup == pytest.approx(plan.speculative_speedup)
+    # fixed and chain budgets never decline
+    fixed = plan_batch(trees, [100, 100], model, slow_draft, FixedPolicy(4), allow_plain=True)
+    assert fixed.node_counts == (4, 4)
+
+
+def test_plan_batch_keeps_speculating_when_it_pays() -> None:
+    trees = batch_trees(2, 64, 0)
+    plan = plan_batch(trees, [100, 100], latency(), COSTS, AdaptivePolicy(), allow_plain=True)
+    assert plan.speculates and plan.estimated_speedup == plan.speculative_speedup > 1.0
