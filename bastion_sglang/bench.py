@@ -21,6 +21,16 @@ Per policy and temperature:
   (null for `ar` and `dflash`, which do not export it);
 - speedup: tokens/s over `ar`'s at the same temperature in the same run (null when `ar` is not run).
 
+The controller's estimate, for BASTION policies (null for `ar` and `dflash`), from the worker's histograms
+over the same steps (`_sum` / `_count` growth over the temperature's generate calls):
+- mean_expected_accept_length: Â per request per step, the calibrated estimate the planner maximised
+  (tokens committed, bonus included); mean_expected_accept_length_raw: the same trees' uncalibrated Â;
+- realised_accept_length: tokens committed per request per step, as the worker counted them;
+- accept_error / accept_error_raw: expected / realised - 1 (signed), calibrated and raw;
+- latency_mape: mean |estimated - observed| / observed verify latency per pass, after the worker's warm-up;
+- stage_ms: mean milliseconds per decode step of each stage (draft, plan, verify, accept, commit) and of
+  `other`, the host time between two decode steps outside the worker.
+
 Outputs in `--out`: `bench.json` (`BenchReport`), `bench.png` (tokens/s and τ per policy, grouped by
 temperature), and the table on stdout.
 """
@@ -62,6 +72,12 @@ DEFAULT_MAX_BUDGET = 256
 """N_max passed to BASTION Engines (`--bastion-max-budget`): room for the largest default fixed budget."""
 TREE_NODES_METRIC = "sglang:bastion_tree_nodes"
 """The worker's histogram of draft nodes verified per request per step (bastion_sglang.metrics)."""
+EXPECTED_METRIC = "sglang:bastion_expected_accept_length"
+EXPECTED_RAW_METRIC = "sglang:bastion_expected_accept_length_raw"
+REALISED_METRIC = "sglang:bastion_accept_length"
+LATENCY_ERROR_METRIC = "sglang:bastion_verify_relative_error"
+STAGE_METRIC = "sglang:bastion_step_stage_seconds"
+STAGE_NAMES = ("draft", "plan", "verify", "accept", "commit", "other")
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 REPORT_NAME = "bench.json"
 PLOT_NAME = "bench.png"
@@ -151,6 +167,19 @@ class BenchSettings(BaseModel):
     seed: int
 
 
+class StageMs(BaseModel):
+    """Mean milliseconds per decode step of each stage (`other`: per decode step that followed one)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    draft: float = Field(ge=0)
+    plan: float = Field(ge=0)
+    verify: float = Field(ge=0)
+    accept: float = Field(ge=0)
+    commit: float = Field(ge=0)
+    other: float = Field(ge=0)
+
+
 class BenchRow(BaseModel):
     """One policy at one temperature."""
 
@@ -168,6 +197,17 @@ class BenchRow(BaseModel):
         description="draft nodes verified per request per step (sglang:bastion_tree_nodes); None: not BASTION"
     )
     speedup: float | None = Field(description="tokens/s over ar's at this temperature; None without ar")
+    mean_expected_accept_length: float | None = Field(
+        default=None, description="calibrated Â per request per step; None: not BASTION"
+    )
+    mean_expected_accept_length_raw: float | None = Field(default=None, description="uncalibrated Â")
+    realised_accept_length: float | None = Field(
+        default=None, description="tokens committed per request per step (the worker's count)"
+    )
+    accept_error: float | None = Field(default=None, description="expected / realised - 1, calibrated")
+    accept_error_raw: float | None = Field(default=None, description="expected / realised - 1, raw")
+    latency_mape: float | None = Field(default=None, description="mean relative verify-latency error")
+    stage_ms: StageMs | None = Field(default=None, description="mean ms per decode step per stage")
 
 
 class BenchReport(BaseModel):
@@ -355,8 +395,9 @@ class HistogramTotals:
     count: float
 
 
-def read_histogram(directory: Path, name: str) -> HistogramTotals:
-    """Totals of histogram `name` in a prometheus_client multiprocess directory (zeros when absent)."""
+def read_histogram(directory: Path, name: str, stage: str | None = None) -> HistogramTotals:
+    """Totals of histogram `name` in a prometheus_client multiprocess directory (zeros when absent);
+    stage: only the samples with that `stage` label."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -367,11 +408,70 @@ def read_histogram(directory: Path, name: str) -> HistogramTotals:
         if family.name != name:
             continue
         for sample in family.samples:
+            if stage is not None and sample.labels.get("stage") != stage:
+                continue
             if sample.name == f"{name}_sum":
                 total += sample.value
             elif sample.name == f"{name}_count":
                 count += sample.value
     return HistogramTotals(total, count)
+
+
+@dataclass(frozen=True)
+class WorkerTotals:
+    """The worker's histogram totals at one moment: per metric (and per stage) `HistogramTotals`."""
+
+    metrics: dict[str, HistogramTotals]
+    stages: dict[str, HistogramTotals]
+
+    @classmethod
+    def read(cls, directory: Path) -> WorkerTotals:
+        names = (
+            TREE_NODES_METRIC,
+            EXPECTED_METRIC,
+            EXPECTED_RAW_METRIC,
+            REALISED_METRIC,
+            LATENCY_ERROR_METRIC,
+        )
+        return cls(
+            metrics={name: read_histogram(directory, name) for name in names},
+            stages={stage: read_histogram(directory, STAGE_METRIC, stage) for stage in STAGE_NAMES},
+        )
+
+
+def _mean_between(before: HistogramTotals, after: HistogramTotals) -> float | None:
+    count = after.count - before.count
+    return (after.total - before.total) / count if count > 0 else None
+
+
+@dataclass(frozen=True)
+class EstimateSummary:
+    """What the worker's histograms say about the steps between two `WorkerTotals` (module docstring)."""
+
+    mean_budget: float | None
+    expected: float | None
+    expected_raw: float | None
+    realised: float | None
+    latency_mape: float | None
+    stage_ms: StageMs | None
+
+    @classmethod
+    def between(cls, before: WorkerTotals, after: WorkerTotals) -> EstimateSummary:
+        means = {name: _mean_between(before.metrics[name], after.metrics[name]) for name in before.metrics}
+        stage_means = {s: _mean_between(before.stages[s], after.stages[s]) for s in STAGE_NAMES}
+        stage_ms = (
+            None
+            if stage_means["verify"] is None
+            else StageMs(**{s: 1e3 * (value or 0.0) for s, value in stage_means.items()})
+        )
+        return cls(
+            mean_budget=means[TREE_NODES_METRIC],
+            expected=means[EXPECTED_METRIC],
+            expected_raw=means[EXPECTED_RAW_METRIC],
+            realised=means[REALISED_METRIC],
+            latency_mape=means[LATENCY_ERROR_METRIC],
+            stage_ms=stage_ms,
+        )
 
 
 @dataclass(frozen=True)
@@ -382,7 +482,7 @@ class Measured:
     completion_tokens: int
     verify_passes: int | None
     wall_seconds: float
-    mean_budget: float | None
+    estimate: EstimateSummary | None  # None: the Engine exports no BASTION series
 
 
 def measure(
@@ -395,7 +495,7 @@ def measure(
 ) -> Measured:
     """Send every prompt at `temperature`, `concurrency` at a time; time only the generate calls.
 
-    metrics_dir: the Engine's Prometheus folder when its worker exports sglang:bastion_tree_nodes.
+    metrics_dir: the Engine's Prometheus folder when its worker exports the sglang:bastion_* series.
     """
     settings = plan.settings
     params = [
@@ -407,7 +507,7 @@ def measure(
         }
         for i in range(len(prompt_ids))
     ]
-    before = read_histogram(metrics_dir, TREE_NODES_METRIC) if metrics_dir is not None else None
+    before = WorkerTotals.read(metrics_dir) if metrics_dir is not None else None
     tokens = passes = 0
     spec_seen = False
     seconds = 0.0
@@ -426,17 +526,18 @@ def measure(
                     spec_seen = True
                     passes += int(meta["spec_verify_ct"])
             bar.update(len(outputs))
-    budget = None
+    estimate = None
     if metrics_dir is not None and before is not None:
-        after = read_histogram(metrics_dir, TREE_NODES_METRIC)
-        steps = after.count - before.count
-        if steps > 0:
-            budget = (after.total - before.total) / steps
-        else:
+        estimate = EstimateSummary.between(before, WorkerTotals.read(metrics_dir))
+        if estimate.mean_budget is None:
             logger.warning(
                 "%s: the worker recorded no %s samples; mean budget unknown", label, TREE_NODES_METRIC
             )
-    return Measured(len(prompt_ids), tokens, passes if spec_seen else None, seconds, budget)
+    return Measured(len(prompt_ids), tokens, passes if spec_seen else None, seconds, estimate)
+
+
+def _relative_error(expected: float | None, realised: float | None) -> float | None:
+    return None if expected is None or not realised else expected / realised - 1.0
 
 
 def make_row(policy: BenchPolicy, temperature: float, measured: Measured) -> BenchRow:
@@ -447,6 +548,20 @@ def make_row(policy: BenchPolicy, temperature: float, measured: Measured) -> Ben
         tau = 1.0
     else:
         raise RuntimeError(f"{policy.name}: the Engine reported no spec_verify_ct; is speculation running?")
+    estimate = measured.estimate
+    if estimate is None:
+        return BenchRow(
+            policy=policy.name,
+            temperature=temperature,
+            requests=measured.requests,
+            completion_tokens=measured.completion_tokens,
+            verify_passes=measured.verify_passes,
+            wall_seconds=measured.wall_seconds,
+            tokens_per_second=measured.completion_tokens / measured.wall_seconds,
+            mean_accept_length=tau,
+            mean_budget=None,
+            speedup=None,
+        )
     return BenchRow(
         policy=policy.name,
         temperature=temperature,
@@ -456,8 +571,15 @@ def make_row(policy: BenchPolicy, temperature: float, measured: Measured) -> Ben
         wall_seconds=measured.wall_seconds,
         tokens_per_second=measured.completion_tokens / measured.wall_seconds,
         mean_accept_length=tau,
-        mean_budget=measured.mean_budget,
+        mean_budget=estimate.mean_budget,
         speedup=None,
+        mean_expected_accept_length=estimate.expected,
+        mean_expected_accept_length_raw=estimate.expected_raw,
+        realised_accept_length=estimate.realised,
+        accept_error=_relative_error(estimate.expected, estimate.realised),
+        accept_error_raw=_relative_error(estimate.expected_raw, estimate.realised),
+        latency_mape=estimate.latency_mape,
+        stage_ms=estimate.stage_ms,
     )
 
 
@@ -611,14 +733,30 @@ def format_table(report: BenchReport) -> str:
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    header = f"{'policy':<12} {'T':>5} {'tokens/s':>10} {'tau':>6} {'budget':>7} {'speedup':>8} {'tokens':>8}"
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:+.1f}%"
+
+    header = (
+        f"{'policy':<12} {'T':>5} {'tokens/s':>10} {'tau':>6} {'budget':>7} {'speedup':>8} {'tokens':>8} "
+        f"{'Â':>6} {'Â raw':>6} {'real':>6} {'err':>7} {'raw err':>8} {'lat MAPE':>9}"
+    )
     lines = [header, "-" * len(header)]
     for row in report.rows:
         lines.append(
             f"{row.policy:<12} {row.temperature:>5g} {row.tokens_per_second:>10.1f} "
             f"{row.mean_accept_length:>6.2f} {number(row.mean_budget, 1):>7} {number(row.speedup, 2):>8} "
-            f"{row.completion_tokens:>8d}"
+            f"{row.completion_tokens:>8d} {number(row.mean_expected_accept_length, 2):>6} "
+            f"{number(row.mean_expected_accept_length_raw, 2):>6} {number(row.realised_accept_length, 2):>6} "
+            f"{percent(row.accept_error):>7} {percent(row.accept_error_raw):>8} "
+            f"{'-' if row.latency_mape is None else f'{100 * row.latency_mape:.1f}%':>9}"
         )
+    staged = [(row, row.stage_ms) for row in report.rows if row.stage_ms is not None]
+    if staged:
+        stage_header = f"{'policy':<12} {'T':>5} " + " ".join(f"{name:>8}" for name in STAGE_NAMES)
+        lines += ["", "ms per decode step", stage_header, "-" * len(stage_header)]
+        for row, stages in staged:
+            values = " ".join(f"{getattr(stages, name):>8.2f}" for name in STAGE_NAMES)
+            lines.append(f"{row.policy:<12} {row.temperature:>5g} {values}")
     return "\n".join(lines)
 
 

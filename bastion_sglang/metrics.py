@@ -23,6 +23,8 @@ scheduler labels, on the same `/metrics` as SGLang:
   over plain decoding and the realised one (tokens committed × L_AR / (batch × measured step seconds));
 - sglang:bastion_acceptance_calibration_error (gauge): |Σ Â - Σ realised| / Σ realised over recent steps;
 - sglang:bastion_acceptance_correction (gauge, label `mode` greedy|sampled): online factor on the drafted Â;
+- sglang:bastion_decode_steps_total (counter, label `mode`): decode steps that speculated, that drafted and
+  then planned plain decoding (declined), and that skipped the drafter (skipped);
 - sglang:bastion_latency_ema_factor (gauge, most recent): the latency model's online correction;
 - sglang:bastion_uncalibrated_steps_total (counter): steps planned without a calibration profile.
 """
@@ -106,6 +108,8 @@ class StageTimer:
         return done_tag, StepTimes(**seconds)
 
 
+STEP_MODES = ("speculative", "declined", "skipped")
+"""Modes of a decode step (`sglang:bastion_decode_steps_total{mode=...}`)."""
 WARMUP_STEPS = 3
 """Verify passes left out of the relative-error histogram (first passes pay one-off allocation costs)."""
 OTHER_STAGE = "other"
@@ -232,7 +236,7 @@ class BastionMetrics:
         )
         self.ema_factor = Gauge(
             "sglang:bastion_latency_ema_factor",
-            "Online correction factor of the latency model (observed / predicted, EMA).",
+            "Online correction of the latency model as one factor at its typical point (observed / offline).",
             names,
             multiprocess_mode="mostrecent",
         )
@@ -278,6 +282,12 @@ class BastionMetrics:
             [*names, "mode"],
             multiprocess_mode="mostrecent",
         )
+        self.decode_steps = Counter(
+            "sglang:bastion_decode_steps",
+            "Decode steps by mode: speculative (a tree verified), declined (drafted, then plain decoding "
+            "planned: no tree paid), skipped (no drafter pass: the speculation gate is backing off).",
+            [*names, "mode"],
+        )
         self._verify_passes = 0
         self.uncalibrated_steps = Counter(
             "sglang:bastion_uncalibrated_steps",
@@ -292,9 +302,13 @@ class BastionMetrics:
         expected_accept_raw: Sequence[float],
         estimated_speedup: float,
         calibrated: bool,
+        mode: str = "speculative",
     ) -> None:
         """One planned step: nodes, Â and raw Â per request; the plan's estimated speedup; whether the
-        latency model had a profile."""
+        latency model had a profile; the step's mode (one of STEP_MODES)."""
+        if mode not in STEP_MODES:
+            raise ValueError(f"unknown step mode {mode!r}; modes: {STEP_MODES}")
+        self.decode_steps.labels(**self._labels, mode=mode).inc()
         for nodes, accept, raw in zip(node_counts, expected_accept, expected_accept_raw, strict=True):
             self.tree_nodes.labels(**self._labels).observe(nodes)
             self.expected_accept.labels(**self._labels).observe(accept)

@@ -27,6 +27,7 @@ import importlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -55,12 +56,14 @@ from bastion_sglang.calibration.lookup import (
 from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
 from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig
-from bastion_sglang.controller import plan_batch
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_unchecked
+from bastion_sglang.controller.gate import SpeculationGate
 from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
+from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.graph_buckets import VerifyRows, VerifyShape, pad_verify_rows, planning_widths, real_rows
 from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
 from bastion_sglang.metrics import (
@@ -85,8 +88,17 @@ CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
 """Roofline peaks assumed on a CPU: 100 GFLOP/s and 20 GB/s, the order of a small x86 server under
 PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
 
-COST_EMA_ALPHA = 0.1
-"""Weight of the newest step in the running means of drafter and host seconds (uncalibrated costs)."""
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a decode step's measured times are matched with (one step late on CUDA)."""
+
+    index: int  # decode steps of this worker before it
+    widths: list[int]  # [B] verify width per request (the padded W_v)
+    contexts: list[int]  # [B] cached tokens per request
+    estimated_verify_seconds: float  # the plan's prediction for the verify pass
+    other_seconds: float | None  # host seconds since the previous decode step ended (None: none just before)
+    drafted: bool  # whether the drafter ran
 
 
 class DraftProposer(Protocol):
@@ -276,7 +288,7 @@ class BastionWorker(DFlashWorkerV2):
         self._verify_graphs = VerifyGraphs({})  # captured in init_cuda_graphs
         dtype = self.model_runner.model_config.dtype
         resolved = resolve_worker_profile(self.config, server_args, dtype, torch.device(self.device))
-        self.latency, self._profile_costs = worker_latency_model(
+        self.latency, profile_costs = worker_latency_model(
             self.config,
             server_args,
             self.model_runner.model_config.hf_config.to_dict(),
@@ -293,8 +305,8 @@ class BastionWorker(DFlashWorkerV2):
         self._last_decode_end: float | None = None  # host clock at the end of the last decode step
         self._proposer = load_draft_proposer(self.config)
         self._timer = StageTimer(torch.device(self.device))
-        self._draft_seconds = 0.0
-        self._aux_seconds = 0.0
+        self._costs = StepCostTracker(prior=profile_costs)
+        self._gate = SpeculationGate()
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (
             BastionMetrics(scheduler_metric_labels())
@@ -365,29 +377,52 @@ class BastionWorker(DFlashWorkerV2):
         rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
-        with self._timer.stage("draft"):
-            draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
-            if self._proposer is not None:
-                draft_logits = self._proposer(batch.reqs, draft_logits)
-            top = kernels.topk_logprobs(draft_logits, self.config.branching)
+        greedy = [is_greedy(req) for req in batch.reqs]
+        costs = self._step_costs(contexts)
+        drafting = self._gate.should_draft() if self.config.policy.may_decline else True
+        top: kernels.DraftTopK | None = None
+        if drafting:
+            with self._timer.stage("draft"):
+                draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
+                if self._proposer is not None:
+                    draft_logits = self._proposer(batch.reqs, draft_logits)
+                top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
-            plan_logprobs = top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
-            trees = build_trees_unchecked(plan_logprobs, top.token_ids, self.config.max_budget)
-            greedy = [is_greedy(req) for req in batch.reqs]
-            scales = self._acceptance_tracker.corrections(greedy)
-            costs = self._step_costs(contexts)
-            plan = plan_batch(trees, contexts, self.latency, costs, self.config.policy, accept_scale=scales)
+            if top is None:
+                trees, scales = DraftTreeBatch.empty(bs, self.device), [1.0] * bs
+                plan = plain_plan(bs, costs.l_ar)
+            else:
+                calibrated = (
+                    top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
+                )
+                trees = build_trees_unchecked(calibrated, top.token_ids, self.config.max_budget)
+                scales = self._acceptance_tracker.corrections(greedy)
+                plan = plan_batch(
+                    trees,
+                    contexts,
+                    self.latency,
+                    costs,
+                    self.config.policy,
+                    accept_scale=scales,
+                    # a probe (the gate is backing off) verifies its tree whatever the estimate, so the
+                    # acceptance correction sees fresh evidence and speculation can resume
+                    allow_plain=not self._gate.skipping,
+                )
+                self._gate.record(plan.speculative_speedup)
             width = plan.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)
             self._speedups.plan(self._step_index, costs.l_ar, bs)
             if self._metrics is not None:
+                mode = "skipped" if top is None else "speculative" if plan.speculates else "declined"
+                raw = [1.0] * bs if top is None else self._raw_expected_accept(trees, top, plan.node_counts)
                 self._metrics.observe_plan(
                     plan.node_counts,
                     plan.expected_accept,
-                    self._raw_expected_accept(trees, top, plan.node_counts),
+                    raw,
                     plan.estimated_speedup,
                     self.latency.calibrated,
+                    mode,
                 )
             rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
             layout = kernels.build_verify_layout(rows, prefix)
@@ -454,8 +489,15 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 logits_output.next_token_logits = chain_logits.reshape(bs * width, -1)
                 compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=width)
-        tag = (self._step_index, [shape.width] * bs, contexts, plan.estimated_verify_seconds, other)
-        self._observe(self._timer.finish_step(tag))
+        record = StepRecord(
+            self._step_index,
+            [shape.width] * bs,
+            contexts,
+            plan.estimated_verify_seconds,
+            other,
+            top is not None,
+        )
+        self._observe(self._timer.finish_step(record))
         self._step_index += 1
         self._last_decode_end = time.perf_counter()
 
@@ -593,13 +635,9 @@ class BastionWorker(DFlashWorkerV2):
             self._metrics.observe_accepted(num_correct_drafts_per_req)
 
     def _step_costs(self, contexts: list[int]) -> StepCosts:
-        """Per-step costs for the planner: the profile's, or running means of measured seconds."""
-        if self._profile_costs is not None:
-            return self._profile_costs
-        typical = max(contexts) if contexts else 0
-        return StepCosts(
-            t_draft=self._draft_seconds, t_aux=self._aux_seconds, l_ar=self.latency.predict(1, typical)
-        )
+        """Per-step costs for the planner: this worker's measured stages (the profile's costs until they
+        warm up) and L_AR, the latency model's plain decode step of the whole batch."""
+        return self._costs.costs(l_ar=self.latency.predict_plain_batch(contexts))
 
     def _raw_expected_accept(
         self, trees: DraftTreeBatch, top: kernels.DraftTopK, counts: Sequence[int]
@@ -616,24 +654,24 @@ class BastionWorker(DFlashWorkerV2):
         if speedup is not None and self._metrics is not None:
             self._metrics.observe_realised_speedup(speedup)
 
-    def _observe(
-        self, finished: tuple[tuple[int, list[int], list[int], float, float | None], StepTimes] | None
-    ) -> None:
-        """Feed a finished step's measured seconds to the latency EMA, the running cost means, the metrics.
-
-        finished: ((step index, verify widths [B], contexts [B], estimated verify seconds, host seconds since
-        the previous decode step or None), stage times), or None.
-        """
+    def _observe(self, finished: tuple[StepRecord, StepTimes] | None) -> None:
+        """Feed a finished step's measured seconds to the latency model's online correction, the step-cost
+        tracker and the metrics. finished: (the step's record, its stage times), or None."""
         if finished is None:
             return
-        (step, widths, contexts, estimated, other), times = finished
-        step_seconds = times.draft + times.verify + times.aux + (other or 0.0)
-        self._report_speedup(self._speedups.timed(step, step_seconds))
+        record, times = finished
+        step_seconds = times.draft + times.verify + times.aux + (record.other_seconds or 0.0)
+        self._report_speedup(self._speedups.timed(record.index, step_seconds))
         if self._metrics is not None:
-            self._metrics.observe_stages(times, other)
+            self._metrics.observe_stages(times, record.other_seconds)
         if times.verify > 0:
-            self.latency.observe_batch(widths, contexts, times.verify)
+            if max(record.widths) == 1:
+                self.latency.observe_plain_batch(record.contexts, times.verify)
+            else:
+                self.latency.observe_batch(record.widths, record.contexts, times.verify)
             if self._metrics is not None:
-                self._metrics.observe_verify(estimated, times.verify, self.latency.ema_factor)
-        self._draft_seconds += COST_EMA_ALPHA * (times.draft - self._draft_seconds)
-        self._aux_seconds += COST_EMA_ALPHA * (times.aux - self._aux_seconds)
+                self._metrics.observe_verify(
+                    record.estimated_verify_seconds, times.verify, self.latency.ema_factor
+                )
+        if record.drafted:
+            self._costs.observe(times.draft, times.aux, sum(record.widths))

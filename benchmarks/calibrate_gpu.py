@@ -8,10 +8,12 @@ For machines with CUDA but without SGLang (the reference engine measures). Steps
    benchmarks/reference_gpu.py makes it (same shape, same constructor: the two benchmarks measure the same
    model), and a random DFlash drafter of the z-lab Qwen3-8B-DFlash-b16 shape (5 layers reading target
    layers 1, 9, 17, 25, 33), both saved in a scratch folder (about 18 GB; deleted afterwards);
-2. `bastion calibrate --engine reference` over s in width_grid(1024) (1, 2, 3, 4, 6, 8, ..., 768, 1024) and
-   c in 64, 128, ..., 8192, writing profile.json and profile.png into --out;
+2. `bastion calibrate --engine reference` over s in width_grid(1024) (2, 3, 4, 6, 8, ..., 768, 1024) and
+   c in 64, 128, ..., 8192 (and a plain decode step at every c), writing profile.json and profile.png into
+   --out;
 3. errors.json (`CalibrationEvidence`): RMSE and MAPE of the bare roofline on the measured peaks and on the
-   datasheet peaks, of the calibrated fit in sample, and of a fit on every other sample scored on the rest.
+   datasheet peaks, of the calibrated fit in sample, and the MAPE of fits with each whole width and each
+   whole context left out, scored on what was left out (`validate_leave_out`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from reference_gpu import QWEN3_8B, TINY, random_target
 from bastion_sglang import cli
 from bastion_sglang.calibration.identity import device_name
 from bastion_sglang.calibration.sweep import context_grid, width_grid
-from bastion_sglang.controller.latency import LatencyFit, LatencySample, evaluate_fit, fit_latency
+from bastion_sglang.controller.latency import (
+    LatencyFit,
+    LatencySample,
+    LeaveOutReport,
+    evaluate_fit,
+    validate_leave_out,
+)
 from bastion_sglang.controller.profile import StepCosts, load_profile
 from bastion_sglang.controller.roofline import HardwareSpec, RooflineModel, lookup_gpu
 from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
@@ -73,7 +81,7 @@ class CalibrationEvidence(BaseModel):
     raw_measured_peaks: ErrorSummary
     raw_datasheet_peaks: ErrorSummary | None
     calibrated_in_sample: ErrorSummary
-    calibrated_holdout: ErrorSummary  # fitted on every other sample, scored on the others
+    leave_out: LeaveOutReport  # each whole width, each whole context left out of the fit and predicted
     fit: LatencyFit
     step_costs: StepCosts
     profile: str
@@ -179,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     name = device_name(device)
     measured = profile.roofline()
     raw_measured, in_sample = errors(measured, profile.fit, samples)
-    holdout_fit = fit_latency(measured, samples[::2])
-    _, holdout = errors(measured, holdout_fit, samples[1::2])
+    leave_out = validate_leave_out(measured, samples)
     try:
         datasheet = lookup_gpu(name)
     except ValueError:
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_measured_peaks=raw_measured,
         raw_datasheet_peaks=raw_datasheet,
         calibrated_in_sample=in_sample,
-        calibrated_holdout=holdout,
+        leave_out=leave_out,
         fit=profile.fit,
         step_costs=profile.step_costs,
         profile=str(profile_path),
@@ -213,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     errors_path.write_text(evidence.model_dump_json(indent=2) + "\n", encoding="utf-8")
     print(
         f"raw roofline (measured peaks) RMSE {raw_measured.rmse_ms:.3f} ms, MAPE {raw_measured.mape:.1%}; "
-        f"calibrated RMSE {in_sample.rmse_ms:.3f} ms, MAPE {in_sample.mape:.1%}; held out RMSE "
-        f"{holdout.rmse_ms:.3f} ms, MAPE {holdout.mape:.1%}"
+        f"calibrated RMSE {in_sample.rmse_ms:.3f} ms, MAPE {in_sample.mape:.1%}; left out: widths MAPE "
+        f"{leave_out.mape_widths or 0:.1%}, contexts MAPE {leave_out.mape_contexts or 0:.1%}"
     )
     print(f"wrote {profile_path}, {profile_path.with_suffix('.png')} and {errors_path}")
     return 0

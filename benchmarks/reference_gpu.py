@@ -7,8 +7,9 @@ and end-to-end speed of the budget policies on a trained target/drafter pair.
 
 (a) latency.json: the target's verify pass (the engine's own forward: explicit tree mask, positions, the
     drafter's feature layers collected) timed with CUDA events, median of --repeats, over s (tokens
-    verified) in 1, 2, 4, .., 1024 and c (cached tokens) in 64, 128, .., 8192; the bare roofline and the
-    calibrated fit (`fit_latency`), RMSE/MAPE in sample and on held-out points (fit on every other point).
+    verified) in 1, 2, 4, .., 1024 and c (cached tokens) in 64, 128, .., 8192 (s = 1 is the plain decode
+    step, a "decode" sample); the bare roofline and the calibrated fit (`fit_latency`), RMSE/MAPE in sample,
+    and MAPE with each whole width and each whole context left out of the fit (`validate_leave_out`).
     Without --target the model is Qwen3-8B-shaped with random bf16 weights made on the device (no download).
     planner.json: microseconds per step of the planner as the engine runs it (top-k of the drafter logits,
     `build_tree` heap or `build_trees` beam, then the adaptive choice with the fitted latency model) at
@@ -42,8 +43,10 @@ from bastion_sglang.controller.latency import (
     LatencyFit,
     LatencyModel,
     LatencySample,
+    LeaveOutReport,
     evaluate_fit,
     fit_latency,
+    validate_leave_out,
 )
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
@@ -113,11 +116,10 @@ class LatencyReport(BaseModel):
     shape: ModelShape
     feature_layers: tuple[int, ...]
     repeats: int
-    samples: list[LatencySample]  # median seconds per (s, c)
+    samples: list[LatencySample]  # median seconds per (s, c); s = 1: plain decode ("decode" samples)
     fit: LatencyFit
     in_sample: FitReport
-    holdout_fit: LatencyFit  # fitted on every other sample
-    holdout: FitReport  # evaluated on the others
+    leave_out: LeaveOutReport  # each whole width, each whole context left out of the fit and predicted
 
 
 class PlannerRow(BaseModel):
@@ -206,7 +208,8 @@ def measure_verify(
     target: TargetModel, widths: Sequence[int], contexts: Sequence[int], repeats: int
 ) -> list[LatencySample]:
     """Median verify seconds per (s, c): one prefill of max(c) random tokens, then for every c (descending)
-    the cache is cut to c and each width runs a causal block of s tokens, CUDA-event timed, cut back."""
+    the cache is cut to c and each width runs a causal block of s tokens, CUDA-event timed, cut back. A
+    width of 1 is a plain decode step (mode "decode")."""
     device = target.device
     vocab = int(target.model.config.vocab_size)
     cache = target.new_cache(max(contexts) + max(widths))
@@ -229,7 +232,8 @@ def measure_verify(
                 cache.truncate(c)
                 if attempt:  # the first pass warms kernels for this shape
                     times.append(seconds)
-            samples.append(LatencySample(s=s, c=c, seconds=statistics.median(times)))
+            mode = "decode" if s == 1 else "verify"
+            samples.append(LatencySample(s=s, c=c, seconds=statistics.median(times), mode=mode))
     return samples
 
 
@@ -248,8 +252,6 @@ def run_latency(
     )
     samples = measure_verify(target, widths, contexts, repeats)
     fit = fit_latency(roofline, samples)
-    train, held = samples[::2], samples[1::2]
-    holdout_fit = fit_latency(roofline, train)
     report = LatencyReport(
         environment=environment,
         model_source=source,
@@ -259,8 +261,7 @@ def run_latency(
         samples=samples,
         fit=fit,
         in_sample=evaluate_fit(roofline, fit, samples),
-        holdout_fit=holdout_fit,
-        holdout=evaluate_fit(roofline, holdout_fit, held),
+        leave_out=validate_leave_out(roofline, samples),
     )
     return report, LatencyModel(roofline, fit)
 
@@ -278,7 +279,7 @@ def run_planner(
     generator = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn((1, PLANNER_DEPTH, vocab), generator=generator, device=device) * 4.0
     policy = AdaptivePolicy()
-    costs = StepCosts(t_draft=1e-3, t_aux=5e-4, l_ar=latency.predict(1, PLANNER_CONTEXT))
+    costs = StepCosts(t_draft=1e-3, t_aux=5e-4, l_ar=latency.predict_plain(PLANNER_CONTEXT))
     nearest_context = min({sample.c for sample in samples}, key=lambda c: abs(c - PLANNER_CONTEXT))
     rows = []
     for budget in budgets:
@@ -294,9 +295,8 @@ def run_planner(
             return policy.choose(trees.log_scores[0], PLANNER_CONTEXT, latency, costs)
 
         width = budget + 1
-        measured = min(
-            (sample for sample in samples if sample.c == nearest_context), key=lambda x: abs(x.s - width)
-        )
+        nearest = [x for x in samples if x.c == nearest_context and x.mode == "verify"]
+        measured = min(nearest, key=lambda x: abs(x.s - width))
         verify_fitted = latency.predict(width, PLANNER_CONTEXT)
         beam_us = median_seconds(beam_plan, device, repeats) * 1e6
         rows.append(
@@ -518,8 +518,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         write(args.out, "latency.json", latency_report)
         fit_errors = latency_report.in_sample
         print(
-            f"verify fit: raw RMSE {fit_errors.rmse_raw * 1e3:.3f} ms, fitted "
-            f"{fit_errors.rmse_fit * 1e3:.3f} ms (held out {latency_report.holdout.rmse_fit * 1e3:.3f} ms)"
+            f"verify fit: raw MAPE {fit_errors.mape_raw:.1%}, fitted {fit_errors.mape_fit:.1%}; left out: "
+            f"widths MAPE {latency_report.leave_out.mape_widths or 0:.1%}, contexts MAPE "
+            f"{latency_report.leave_out.mape_contexts or 0:.1%}"
         )
         planner = run_planner(
             latency, latency_report.samples, int(model.config.vocab_size), budgets, environment, repeats

@@ -1,15 +1,17 @@
-"""`bastion calibrate`: measure verify latency on this device, fit the calibrated roofline, store a profile.
+"""`bastion calibrate`: measure verify and plain decode latency on this device, fit the latency model, store a
+profile.
 
     bastion calibrate --model-path M --draft-model-path D [--engine sglang|reference] [--device cuda|cpu]
         [--attention-backend B] [--tp N] [--max-context C] [--max-width W] [--widths S ...]
         [--repeats R] [--warmup R] [--dtype D] [--store DIR] [--out PATH]
 
 Steps: measure the device's peak matmul FLOP/s and copy bandwidth (printed next to its KNOWN_GPUS entry);
-load the engine; measure the verify grid (`sweep`), fit the calibrated roofline on the measured peaks,
-measure T_draft, L_AR and T_aux; print the raw and calibrated RMSE / MAPE; unless --no-acceptance, calibrate
-the drafter's acceptance on real prompts (`acceptance_run`) and print expected vs realised accept length, raw
-and calibrated, on held-out prompts; write the profile (JSON) into the store, or to --out, and its plot (PNG,
-same stem) next to it.
+load the engine; measure the verify grid and plain decode at every context (`sweep`), fit the latency model
+on the measured peaks, measure T_draft, L_AR, T_aux and t_aux_per_token; print the raw and calibrated
+RMSE / MAPE and the MAPE with whole widths and whole contexts left out of the fit; unless --no-acceptance,
+calibrate the drafter's acceptance on real prompts (`acceptance_run`) and print expected vs realised accept
+length, raw and calibrated, on held-out prompts; write the profile (JSON) into the store, or to --out, and
+its plot (PNG, same stem) next to it.
 
 Defaults (each logged when taken) are listed in `EPILOG`, which `--help` prints.
 Exit status 0 on success, 2 for a bad argument or an unusable model / profile path.
@@ -46,7 +48,7 @@ from bastion_sglang.calibration.identity import (
     parse_dtype,
 )
 from bastion_sglang.calibration.microbench import datasheet_comparison, measure_peaks
-from bastion_sglang.calibration.profile_cli import describe_profile
+from bastion_sglang.calibration.profile_cli import describe_profile, leave_out_lines
 from bastion_sglang.calibration.store import ProfileStore, plot_path_for
 from bastion_sglang.calibration.sweep import (
     SweepSettings,
@@ -62,7 +64,7 @@ from bastion_sglang.controller.roofline import ModelShape, RooflineModel
 
 logger = logging.getLogger(__name__)
 
-HELP = "Measure verify latency on this device, fit the calibrated roofline, and store a latency profile."
+HELP = "Measure verify and plain decode latency on this device, fit the latency model, store a profile."
 
 DEFAULT_MAX_WIDTH = 1025
 """Widest verify pass measured by default: the server's largest budget (1024 nodes) plus the root."""
@@ -343,7 +345,13 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         fitted = LatencyModel(RooflineModel(shape, hardware, element_bytes)).fit(samples)
         logger.info("measuring T_draft, L_AR and T_aux at context %d", settings.mid_context)
         steps = measure_step_costs(engine, settings, fitted)
-        logger.info("T_aux timed with the adaptive policy choosing %d draft nodes", steps.aux_nodes)
+        logger.info(
+            "T_aux timed with the adaptive policy choosing %d draft nodes: %s",
+            steps.aux_nodes,
+            ", ".join(
+                f"W={w} {t * 1e3:.3f} ms" for w, t in zip(steps.aux_widths, steps.aux_seconds, strict=True)
+            ),
+        )
     finally:
         engine.close()
     metadata = ProfileMetadata(
@@ -423,5 +431,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return 2
     for line in describe_profile(result.profile, result.profile_path):
+        print(line)
+    for line in leave_out_lines(result.profile.leave_out):
         print(line)
     return 0

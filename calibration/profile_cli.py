@@ -19,6 +19,7 @@ from pathlib import Path
 from bastion_sglang.calibration.identity import RuntimeIdentity, config_dtype, detect_device, parse_dtype
 from bastion_sglang.calibration.lookup import AUTO, resolve_latency_profile
 from bastion_sglang.calibration.store import ProfileStore, StoreEntry, plot_path_for
+from bastion_sglang.controller.latency import LeaveOutFold, LeaveOutReport
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, load_profile
 
 logger = logging.getLogger(__name__)
@@ -30,20 +31,54 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _plus_ms(seconds: float) -> str:
-    """'+ 1.000 ms' or '- 1.000 ms': a term added in a formula."""
-    return f"{'-' if seconds < 0 else '+'} {_ms(abs(seconds))}"
-
-
 def _range(values: list[int]) -> str:
     return f"{values[0]}..{values[-1]} ({len(values)})" if values else "none"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _worst(folds: list[LeaveOutFold], name: str) -> str:
+    if not folds:
+        return ""
+    worst = max(folds, key=lambda fold: fold.mape)
+    return f" (worst {name}={worst.held_out}: {worst.mape:.1%})"
+
+
+def leave_out_summary(report: LeaveOutReport | None) -> str:
+    """One line: MAPE with whole widths left out, whole contexts left out, decode contexts left out."""
+    if report is None:
+        return "held out   not validated"
+    return (
+        f"held out   widths left out MAPE {_percent(report.mape_widths)}{_worst(report.widths, 's')}; "
+        f"contexts left out MAPE {_percent(report.mape_contexts)}{_worst(report.contexts, 'c')}; "
+        f"decode contexts left out MAPE {_percent(report.mape_decode_contexts)}"
+    )
+
+
+def leave_out_lines(report: LeaveOutReport | None) -> list[str]:
+    """The leave-out validation fold by fold: MAPE of each left-out width and context."""
+    if report is None:
+        return ["no leave-out validation"]
+    lines = []
+    for title, name, folds, overall in (
+        ("verify, one width left out", "s", report.widths, report.mape_widths),
+        ("verify, one context left out", "c", report.contexts, report.mape_contexts),
+        ("plain decode, one context left out", "c", report.decode_contexts, report.mape_decode_contexts),
+    ):
+        if not folds:
+            continue
+        cells = ", ".join(f"{name}={fold.held_out} {fold.mape:.1%}" for fold in folds)
+        lines.append(f"{title}: MAPE {_percent(overall)}; {cells}")
+    return lines
 
 
 def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str]:
     """Lines summarising a profile: identity, measured peaks, fit, errors, grid, step costs."""
     meta, fit, report, costs = profile.metadata, profile.fit, profile.report, profile.step_costs
-    widths = sorted({s.s for s in profile.samples})
-    contexts = sorted({s.c for s in profile.samples})
+    widths = sorted({s.s for s in profile.samples if s.mode == "verify"})
+    contexts = sorted({s.c for s in profile.samples if s.mode == "verify"})
     plot = plot_path_for(path) if path is not None else None
     hardware = profile.hardware
     lines = [
@@ -56,12 +91,23 @@ def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str
         f"created    {meta.created_at.isoformat(timespec='seconds')}",
         f"peaks      {hardware.peak_flops / 1e12:.3f} TFLOP/s, {hardware.bandwidth / 1e9:.1f} GB/s "
         f"(measured), {profile.bytes_per_element:g} bytes/element",
-        f"fit        T = max({fit.alpha_c:.4g}·T_comp {_plus_ms(fit.beta_c)}, "
-        f"{fit.alpha_m:.4g}·T_mem {_plus_ms(fit.beta_m)})",
+        f"fit        T = {_ms(fit.beta_fixed)} + {fit.alpha_gemm:.4g}·G + "
+        f"{fit.alpha_tok * 1e6:.4g} µs·min(T, T*) + {fit.alpha_attn:.4g}·ΣF + {fit.alpha_kv:.4g}·ΣK "
+        f"(T* = {profile.roofline().gemm_ridge_tokens():.3g} tokens)",
+        "decode     "
+        + (
+            "not measured (priced as a verify of one token)"
+            if fit.decode is None
+            else f"L_AR = {_ms(fit.decode.beta)} + {fit.decode.alpha_attn:.4g}·A(1, c)"
+        ),
         f"error      raw roofline RMSE {_ms(report.rmse_raw)}, MAPE {report.mape_raw:.1%}; calibrated RMSE "
-        f"{_ms(report.rmse_fit)}, MAPE {report.mape_fit:.1%} ({report.num_samples} samples)",
+        f"{_ms(report.rmse_fit)}, MAPE {report.mape_fit:.1%} ({report.num_samples} samples); decode MAPE "
+        f"raw {_percent(report.mape_decode_raw)}, fit {_percent(report.mape_decode_fit)} "
+        f"({report.num_decode_samples} samples)",
+        leave_out_summary(profile.leave_out),
         f"grid       widths {_range(widths)}, contexts {_range(contexts)}, max context {profile.max_context}",
-        f"steps      T_draft {_ms(costs.t_draft)}, T_aux {_ms(costs.t_aux)}, L_AR {_ms(costs.l_ar)}",
+        f"steps      T_draft {_ms(costs.t_draft)}, T_aux {_ms(costs.t_aux)} + "
+        f"{costs.t_aux_per_token * 1e6:.4g} µs·tokens, L_AR {_ms(costs.l_ar)}",
     ]
     if plot is not None:
         lines.append(f"plot       {plot if plot.is_file() else f'{plot} (missing)'}")

@@ -1,41 +1,54 @@
 """The measurement grid and the measurements: verify latency over (tree width, context), and the step costs.
 
-Grid. Widths s (tokens per verify pass, root included): 1, then powers of two and their midpoints
+Grid. Widths s (tokens per verify pass, root included): the powers of two and their midpoints
 (2, 3, 4, 6, 8, 12, 16, 24, ...) below the largest width, then the largest width itself, so every captured
 bucket of the default power-of-two schedule and the cap N_max + 1 are measured (`width_grid`); or an
-explicit list. Contexts c: powers of two from 64 up to the largest context, which is always included
-(`context_grid`).
+explicit list. Width 1 (a verify of the root alone) is no speculative step: a tree with at least one draft
+node verifies s >= 2 tokens, and plain decoding (no tree) is measured on its own, below. Contexts c: powers
+of two from 64 up to the largest context, which is always included (`context_grid`).
 
 Verify latency. Per context the engine fills its KV cache with c tokens and the drafter runs once on it;
 the best-first tree of the drafter's top-K (K = the server's default) at the largest budget gives, for
 every width s, the first s - 1 nodes: the verify pass runs the same tokens, positions and ancestor mask as
-a decode step would. Each (s, c) is run `warmup` times untimed, then `repeats` timed times (the KV it wrote
-dropped before every call); the median is the sample.
+a decode step would. The timed runs are interleaved: `repeats` rounds, each over every context (the cache
+refilled) and every width, one timed run per point and round (the KV it wrote dropped before every call),
+so that a slow spell of a shared machine spreads over the whole grid instead of shifting the points of one
+context; the first round warms every point up `warmup` times, later rounds each refilled context once. The
+median over the rounds is the sample.
+
+Plain decode (L_AR(c)). At every context of the grid, one plain decode step of the target (one token,
+greedy pick), timed in the same rounds: the samples of mode "decode" the plain decode fit is fitted on.
 
 Step costs (BASTION eq. 7), at the middle context of the grid:
 - T_draft: one drafter pass (block [bonus, MASK × (γ-1)], LM head, top-K), median;
 - L_AR: one plain decode step of the target (one token, greedy pick), median;
-- T_aux: the controller and kernel calls of a decode step outside the two forwards, on the drafter's real
-  top-K: `build_trees` at N_max, `plan_batch` with the adaptive policy on the fitted latency model,
-  `flatten_trees`, `build_verify_layout`, `flat_custom_mask` where the engine needs one (SGLang),
-  `accept_greedy` on target-shaped logits, `accepted_kv_moves`; median.
+- T_aux, t_aux_per_token: the controller and kernel calls of a decode step outside the two forwards, on
+  the drafter's real top-K: `build_trees` at N_max, `plan_batch` with the adaptive policy on the fitted
+  latency model, then at a given verify width W `flatten_trees`, `build_verify_layout`, `flat_custom_mask`
+  where the engine needs one (SGLang), `accept_greedy` on target-shaped logits, `accepted_kv_moves`;
+  median at the narrowest, the middle and the widest width of the grid, fitted as T_aux +
+  t_aux_per_token·W by non-negative least squares (`aux_line`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
+from scipy.optimize import nnls
 from tqdm.auto import tqdm
 
 from bastion_sglang import kernels
-from bastion_sglang.calibration.timing import median_seconds
+from bastion_sglang.calibration.timing import median_seconds, time_op
 from bastion_sglang.config import DEFAULT_TOPK
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_unchecked
-from bastion_sglang.controller.latency import LatencyModel, LatencySample
+from bastion_sglang.controller.latency import LatencyModel, LatencySample, Mode
 from bastion_sglang.controller.policies import AdaptivePolicy, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
@@ -49,10 +62,10 @@ BONUS_TOKEN = 0
 
 
 def width_grid(max_width: int) -> tuple[int, ...]:
-    """1, the powers of two and their midpoints below max_width, then max_width (module docstring)."""
+    """The powers of two from 2 and their midpoints below max_width, then max_width (module docstring)."""
     if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 2:
         raise ValueError(f"the largest verify width must be an int >= 2 (root + 1 node), got {max_width!r}")
-    widths = {1, max_width}
+    widths = {max_width}
     power = 2
     while power < max_width:
         widths.add(power)
@@ -63,14 +76,18 @@ def width_grid(max_width: int) -> tuple[int, ...]:
 
 
 def check_widths(widths: Sequence[int]) -> tuple[int, ...]:
-    """An explicit width list: sorted, unique, ints >= 1, at least two (the fit needs two points)."""
+    """An explicit width list: sorted, unique, ints >= 2 (root + 1 node; plain decoding is measured on its
+    own), at least two (the fit needs two points)."""
     values = tuple(widths)
     if (
         len(values) < 2
-        or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in values)
+        or any(isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in values)
         or list(values) != sorted(set(values))
     ):
-        raise ValueError(f"--widths must be at least two sorted, unique ints >= 1, got {list(values)}")
+        raise ValueError(
+            f"--widths must be at least two sorted, unique ints >= 2 (a verify holds the root and at least "
+            f"one draft node; plain decoding is measured on its own), got {list(values)}"
+        )
     return values
 
 
@@ -181,30 +198,49 @@ def _verify_inputs(
 
 
 def measure_verify_grid(engine: MeasurementEngine, settings: SweepSettings) -> list[LatencySample]:
-    """Median verify seconds at every (width, context) of the grid, with a progress bar."""
-    samples = []
-    total = len(settings.widths) * len(settings.contexts)
+    """Median verify seconds at every (width, context) of the grid, and median plain decode seconds at every
+    context (samples of mode "decode"), timed in interleaved rounds (module docstring), with a progress
+    bar."""
+    times: dict[tuple[Mode, int, int], list[float]] = {}
+    inputs: dict[int, DraftTreeBatch] = {}
+    device = engine.device
+    total = (len(settings.widths) + 1) * len(settings.contexts) * settings.repeats
     with tqdm(total=total, desc="verify latency", unit="point", dynamic_ncols=True) as bar:
-        for context in settings.contexts:
-            engine.set_context(context)
-            _, trees = draft_trees(engine, settings)
-            for width in settings.widths:
-                rows, layout = _verify_inputs(trees, width, context, engine.device)
-                seconds = median_seconds(
-                    lambda rows=rows, layout=layout: engine.verify(rows, layout),
-                    engine.device,
-                    settings.warmup,
-                    settings.repeats,
-                    reset=engine.discard,
-                )
-                samples.append(LatencySample(s=width, c=context, seconds=seconds))
-                bar.set_postfix_str(f"s={width} c={context} {seconds * 1e3:.2f} ms")
-                bar.update()
-            logger.debug(
-                "context %d: %s",
-                context,
-                ", ".join(f"s={x.s} {x.seconds * 1e3:.2f} ms" for x in samples[-len(settings.widths) :]),
-            )
+        for round_index in range(settings.repeats):
+            for context in settings.contexts:
+                engine.set_context(context)
+                if context not in inputs:
+                    inputs[context] = draft_trees(engine, settings)[1]
+                trees = inputs[context]
+                ops: list[tuple[tuple[Mode, int, int], Callable[[], object]]] = []
+                for width in settings.widths:
+                    rows, layout = _verify_inputs(trees, width, context, device)
+                    ops.append((("verify", width, context), partial(engine.verify, rows, layout)))
+                ops.append((("decode", 1, context), engine.decode))
+                if round_index > 0 and settings.warmup > 0:
+                    time_op(ops[0][1], device, warmup=0, repeats=1, reset=engine.discard)  # refilled cache
+                for key, op in ops:
+                    warmup = settings.warmup if round_index == 0 else 0
+                    seconds = time_op(op, device, warmup, 1, reset=engine.discard)[0]
+                    times.setdefault(key, []).append(seconds)
+                    mode, width, _ = key
+                    point = "decode" if mode == "decode" else f"s={width}"
+                    bar.set_postfix_str(f"round {round_index + 1} {point} c={context} {seconds * 1e3:.2f} ms")
+                    bar.update()
+    samples = [
+        LatencySample(s=width, c=context, seconds=statistics.median(values), mode=mode)
+        for (mode, width, context), values in times.items()
+    ]
+    for context in settings.contexts:
+        logger.debug(
+            "context %d: %s",
+            context,
+            ", ".join(
+                f"{'decode' if x.mode == 'decode' else f's={x.s}'} {x.seconds * 1e3:.2f} ms"
+                for x in samples
+                if x.c == context
+            ),
+        )
     return samples
 
 
@@ -214,13 +250,26 @@ class StepCostReport:
 
     costs: StepCosts
     aux_nodes: int  # draft nodes the adaptive policy chose in the timed planning
+    aux_widths: tuple[int, ...]  # verify widths the aux step was timed at
+    aux_seconds: tuple[float, ...]  # its median seconds at each
+
+
+def aux_line(widths: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(T_aux seconds, t_aux_per_token seconds per token) of seconds ≈ T_aux + t_aux_per_token·width, both
+    >= 0, by non-negative least squares. ValueError unless there are as many widths as seconds, at least
+    one."""
+    if len(widths) != len(seconds) or not widths:
+        raise ValueError(f"aux_line needs one time per width, got {len(widths)} widths, {len(seconds)} times")
+    design = np.stack([np.ones(len(widths)), np.asarray(widths, dtype=np.float64)], axis=1)
+    (intercept, slope), _ = nnls(design, np.asarray(seconds, dtype=np.float64))
+    return float(intercept), float(slope)
 
 
 def measure_step_costs(
     engine: MeasurementEngine, settings: SweepSettings, latency: LatencyModel
 ) -> StepCostReport:
-    """T_draft, L_AR and T_aux at the grid's middle context (module docstring). latency: the fitted model
-    the adaptive policy plans with while T_aux is timed."""
+    """T_draft, L_AR, T_aux and t_aux_per_token at the grid's middle context (module docstring). latency:
+    the fitted model the adaptive policy plans with while T_aux is timed."""
     context = settings.mid_context
     device = engine.device
     engine.set_context(context)
@@ -237,17 +286,23 @@ def measure_step_costs(
     policy = AdaptivePolicy()
     chosen: list[int] = []
 
-    def aux_step() -> None:
+    def aux_step(width: int) -> None:
         trees = build_trees_unchecked(top.logprobs, top.token_ids, settings.budget)  # checked by draft_trees
         plan = plan_batch(trees, [context], latency, partial, policy)
-        rows = kernels.flatten_trees(trees, bonus, plan.width)
+        rows = kernels.flatten_trees(trees, bonus, width)
         layout = kernels.build_verify_layout(rows, ctx)
         if engine.needs_flat_mask:
             kernels.flat_custom_mask(layout.ancestor_mask, ctx, seq_lens_sum=context)
-        accept = kernels.accept_greedy(rows, logits[:, : plan.width])
+        accept = kernels.accept_greedy(rows, logits[:, :width])
         kernels.accepted_kv_moves(accept.accept_index, accept.accept_length, ctx)
         chosen.append(plan.node_counts[0])
 
-    t_aux = median_seconds(aux_step, device, settings.warmup, settings.repeats)
-    costs = StepCosts(t_draft=t_draft, t_aux=t_aux, l_ar=l_ar)
-    return StepCostReport(costs=costs, aux_nodes=chosen[-1])
+    widths = settings.widths
+    aux_widths = tuple(sorted({widths[0], widths[len(widths) // 2], widths[-1]}))
+    aux_seconds = tuple(
+        median_seconds(lambda w=width: aux_step(w), device, settings.warmup, settings.repeats)
+        for width in aux_widths
+    )
+    t_aux, per_token = aux_line(aux_widths, aux_seconds)
+    costs = StepCosts(t_draft=t_draft, t_aux=t_aux, l_ar=l_ar, t_aux_per_token=per_token)
+    return StepCostReport(costs=costs, aux_nodes=chosen[-1], aux_widths=aux_widths, aux_seconds=aux_seconds)

@@ -3,14 +3,19 @@
 Imports torch, numpy and pydantic only (never sglang): usable and testable with no GPU and no server.
 """
 
+from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, fit_acceptance
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_auto
+from bastion_sglang.controller.gate import SpeculationGate
 from bastion_sglang.controller.latency import (
+    DecodeFit,
     FitReport,
     LatencyFit,
     LatencyModel,
     LatencySample,
+    LeaveOutReport,
     evaluate_fit,
     fit_latency,
+    validate_leave_out,
 )
 from bastion_sglang.controller.policies import (
     AdaptivePolicy,
@@ -20,6 +25,7 @@ from bastion_sglang.controller.policies import (
     ChainPolicy,
     FixedPolicy,
     parse_policy,
+    plain_plan,
     plan_batch,
 )
 from bastion_sglang.controller.profile import (
@@ -33,18 +39,22 @@ from bastion_sglang.controller.profile import (
     save_profile,
 )
 from bastion_sglang.controller.roofline import KNOWN_GPUS, HardwareSpec, ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, expected_accept_length
 
 __all__ = [
     "KNOWN_GPUS",
     "PROFILE_SCHEMA_VERSION",
     "ROOT",
+    "AcceptanceCalibration",
+    "AcceptanceTracker",
     "AdaptivePolicy",
     "BatchPlan",
     "BucketedAdaptivePolicy",
     "BudgetPolicy",
     "CalibrationProfile",
     "ChainPolicy",
+    "DecodeFit",
     "DraftTree",
     "DraftTreeBatch",
     "FitReport",
@@ -53,10 +63,13 @@ __all__ = [
     "LatencyFit",
     "LatencyModel",
     "LatencySample",
+    "LeaveOutReport",
     "ModelShape",
     "ProfileError",
     "ProfileMetadata",
     "RooflineModel",
+    "SpeculationGate",
+    "StepCostTracker",
     "StepCosts",
     "build_tree",
     "build_trees",
@@ -64,10 +77,13 @@ __all__ = [
     "config_hash",
     "evaluate_fit",
     "expected_accept_length",
+    "fit_acceptance",
     "fit_latency",
     "load_profile",
     "lookup_gpu",
     "parse_policy",
+    "plain_plan",
     "plan_batch",
     "save_profile",
+    "validate_leave_out",
 ]

@@ -222,13 +222,14 @@ class AcceptanceTracker:
     """Online correction of the calibrated Â from realised accept lengths (module docstring).
 
     decay: weight the running sums keep per observed step, in (0, 1). The correction is 1 until
-    `min_predicted` drafted tokens were predicted for that mode, and stays in [lower, upper].
+    `min_predicted` drafted tokens were predicted for that mode, and stays in [lower, upper]: near 0 for a
+    drafter whose trees are never accepted, so the planner stops buying them.
     """
 
     GREEDY, SAMPLED = 0, 1
 
     def __init__(
-        self, decay: float = 0.98, min_predicted: float = 8.0, lower: float = 0.25, upper: float = 4.0
+        self, decay: float = 0.95, min_predicted: float = 8.0, lower: float = 1e-3, upper: float = 4.0
     ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")

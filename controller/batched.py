@@ -50,6 +50,12 @@ class DraftTreeBatch:
     def num_nodes(self) -> int:
         return int(self.tokens.shape[1])
 
+    @classmethod
+    def empty(cls, batch: int, device: torch.device | str) -> DraftTreeBatch:
+        """B trees of no node (a step that does not draft)."""
+        nodes = torch.empty((batch, 0), dtype=torch.int64, device=device)
+        return cls(nodes, nodes, nodes, torch.empty((batch, 0), dtype=torch.float64, device=device))
+
     def row(self, i: int) -> DraftTree:
         return DraftTree(self.tokens[i], self.parents[i], self.depths[i], self.log_scores[i])
 
@@ -127,10 +133,7 @@ def build_trees_unchecked(logprobs: torch.Tensor, token_ids: torch.Tensor, budge
     lp = logprobs.to(torch.float64)
     widths = beam_widths(depth_count, width, budget)
     if not widths:
-        empty = torch.empty((batch, 0), dtype=torch.int64, device=device)
-        return DraftTreeBatch(
-            empty, empty, empty, torch.empty((batch, 0), dtype=torch.float64, device=device)
-        )
+        return DraftTreeBatch.empty(batch, device)
 
     # Depth 1: all K tokens are candidates; their lexicographic key is the rank itself.
     ranks1 = torch.arange(width, device=device).expand(batch, width)

@@ -1,209 +1,410 @@
-"""Calibrated verify latency: the roofline, an offline affine fit per branch, and an online EMA (BASTION H.4).
+"""Calibrated verify latency: the parts of a pass, a non-negative fit on relative error, an online correction.
 
-Calibrated roofline (BASTION §2.4, appendix F): with T_comp = FLOPs / peak and T_mem = Bytes / bandwidth,
+Model (seconds). A verify pass of B requests, request i verifying s_i tokens over c_i cached tokens, run at
+the padded width W (the width bucket the pass runs at: every request is padded to W), so T = B·W tokens:
 
-    T(s, c) = max(α_c·T_comp(s, c) + β_c, α_m·T_mem(s, c) + β_m)   seconds,
+    T_verify = β_fixed + α_gemm·G(T) + α_tok·min(T, T*) + α_attn·Σ_i F(W, c_i) + α_kv·Σ_i K(W, c_i)
 
-α dimensionless (> 0), β in seconds. Online, a multiplicative factor f tracks what the offline fit misses
-("EMA+Calib"): after each verify pass, f <- (1 - a)·f + a·(observed / T), and the model predicts f·T.
+    G(T)     = max(GEMM FLOPs(T) / peak, weight bytes / bandwidth)   linear layers, LM head; weights read once
+    T*       = the GEMM ridge: GEMM FLOPs(T*) / peak = weight bytes / bandwidth
+    F(s, c)  = attention FLOPs(s, c) / peak = 4·s·(c+s)·h_q·L / peak  one request's attention
+    K(s, c)  = KV bytes(s, c) / bandwidth = bp·L·2h_kv·(c+2s) / bw   one request's KV cache
 
-Monotonicity. T_comp and T_mem grow with s and with c, and both α are positive, so T grows with s and c;
-its minimum is at s = 1, c = 0. `LatencyModel` checks T(1, 0) > 0 once, which makes every prediction
-positive.
+with the parts of `controller.roofline` (no attention score matrix anywhere: fused kernels never write it).
+β_fixed (seconds): the per-step fixed cost (launches, scheduling, host work inside the forward). α_gemm,
+α_attn, α_kv (dimensionless): how far the engine's GEMMs, attention math and KV-cache handling run from the
+measured peaks. α_tok (seconds per token): what a token costs beyond the roofline in a pass narrower than
+the GEMM ridge, where the roofline prices the GEMMs at the weight read whatever the tokens but narrow
+(small-M) kernels do not stream the weights once and pay per row, and the element-wise and logits work per
+token is not hidden under it. Beyond the ridge G itself grows by GEMM FLOPs / peak per token, and α_gemm
+weighs that slope. Attention time adds after the GEMMs, rather than hiding under a max of whole-pass totals.
 
-Width buckets. A verify pass is padded to the smallest captured CUDA-graph width >= s, so a tree of s
-tokens costs the width it is padded to: the prediction is a step function of s.
+Why the token term stops at the ridge. T = min(T, T*) + max(T - T*, 0) and, beyond the ridge, G grows
+linearly in T, so a token term over every T would make the columns 1, G, T, min(T, T*) linearly dependent
+(rank 3): coefficients a fit could not pin down. Capped at the ridge, 1, G and min(T, T*) are independent
+(for 1 < T* < the widest pass) and describe any piecewise-linear cost in T with a break at the ridge and
+non-negative slopes on both sides: below it α_tok, above it α_gemm·GEMM FLOPs / peak per token.
+
+Why this form (and not α_attn·Σ max(F, request bytes) + α_tok·T). Measured on the 2-core CPU
+(SmolLM2-135M, fp32, SGLang torch_native, widths 2..64 × contexts 64..1024, 5 interleaved rounds): the
+latency rises steeply over the first widths (about 10 ms a token up to the ridge, T* ≈ 10) and then at about
+the GEMM FLOP rate (α_gemm ≈ 1.1), which one token slope over all T cannot follow; and the context costs
+every request about the same whatever its width (the torch_native backend gathers and copies the KV cache
+per layer at ~15× its bandwidth time) while the attention FLOPs grow with s·c: one coefficient on
+max(F, bytes) cannot weigh both. On that grid the form above fits with 2.8 % MAPE and predicts left-out
+whole widths with 4.1 % and left-out whole contexts with 3.0 % (the worst width, s = 2, the narrowest and
+so an extrapolation, 14.6 %); α_attn·Σ max(F, request bytes) + α_tok·T gave 5.6 %, 7.0 % and 5.9 % (s = 2:
+21.9 %), the max of two affine maps of eqs. (8) and (9) 7.0 %, 7.8 % and 8.1 %.
+
+All five coefficients are >= 0, so T grows with every width and context; it is > 0 unless all five are 0,
+which `LatencyModel` rejects.
+
+Fit. `fit_latency` solves the coefficients by non-negative least squares (`scipy.optimize.nnls`) on
+RELATIVE error: each row of [1, G, min(T, T*), ΣF, ΣK] and its observed seconds are divided by the
+observed seconds, so a 1 ms pass weighs as much as a 1 s pass; MAPE is what the fit is judged by. The
+columns are scaled to unit norm before the solve (and the solution scaled back). `evaluate_fit` reports RMSE
+and MAPE of the bare roofline (eqs. 8 and 9, `RooflineModel.verify_seconds_batch`) and of the fit.
+`validate_leave_out` refits with each whole width, then each whole context, left out and scores the
+left-out samples: it says how the model predicts widths and contexts it never saw, which interleaved
+hold-outs do not.
+
+Plain decoding. A plain decode step (one token per request, n = 0: no drafter, no tree) is not a verify of
+width 1: it is priced separately, L_AR. `fit_latency` fits it on the samples of mode "decode" (one token,
+measured at every context of the calibration grid):
+
+    L_AR(c_1..c_B) = β + α·Σ_i A(1, c_i) + P(B) - P(1)
+    A(s, c)        = max(F(s, c), request bytes(s, c) / bandwidth)
+    P(T)           = α_gemm·G(T) + α_tok·min(T, T*)    (the verify fit's parts that depend on tokens only)
+
+β, α >= 0 (NNLS, relative error); a batch adds its extra tokens at the verify fit's per-token costs (the
+P at B tokens minus P at 1). Without decode samples a calibrated model prices plain decoding
+with the verify form at s = 1, and an uncalibrated one with the identity form (β = 0, α_gemm = α_attn =
+α_kv = 1, α_tok = 0) at s = 1: the roofline of one token.
+
+Online correction. After each measured pass the model refits a linear map of its own prediction P and the
+tokens T of the pass, observed ≈ a·P + d·T, by exponentially weighted least squares on relative error
+(`OnlineCorrection`: decay 1 - ema_alpha per observation, so ema_alpha is the weight of the newest
+observation) with a constant ridge prior towards a = 1, d = 0. a fixes a change of scale; d, seconds per
+token, a change of slope over widths (what the planner's budget choice hinges on), however flat the offline
+prediction is there: an affine map a·P + b of the prediction alone can only stretch the slope the model
+already has, and where the model is flat (every pass below the GEMM ridge costs about the weight read) it
+would need a huge a and a huge negative b that a handful of passes at nearby widths cannot pin down. Both
+carry over to widths never observed; one EMA factor per width bucket could fix a slope too, but only at the
+buckets the planner happens to run, leaving the widths it is deciding about uncorrected. The prior never
+decays, so a run of passes at one width cannot wind the estimate up in the direction it does not see (it
+splits the correction between a and d there). Bounds: a in SCALE_BOUNDS, and the corrected prediction is at
+least CORRECTION_FLOOR × P, so it is never <= 0. Verify passes and plain decode steps (T = B requests) have
+one correction each. `ema_factor` summarises the verify correction as a factor at its typical point:
+(a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens it saw.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from numbers import Integral, Real
+from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+from scipy.optimize import nnls
 
-from bastion_sglang.controller.roofline import RooflineModel, TokenCounts
+from bastion_sglang.controller.roofline import PassTerms, RooflineModel, TokenCounts
 
-_MAX_ROUNDS = 100
-"""Cap on assign/refit rounds per start of `fit_latency`; a start also ends when an assignment repeats."""
+SCALE_BOUNDS = (0.1, 10.0)
+"""Range of the online correction's scale a."""
+CORRECTION_FLOOR = 0.1
+"""The corrected prediction is at least this fraction of the offline one (so it stays > 0)."""
+PRIOR_WEIGHT = 0.01
+"""Weight of the online correction's prior (a = 1, b = 0), in observations; it never decays."""
+
+Mode = Literal["verify", "decode"]
 
 
 class LatencySample(BaseModel):
-    """One measured verify pass: `batch` requests, each verifying s tokens over c cached tokens."""
+    """One measured pass: `batch` requests, each with s tokens over c cached tokens.
+
+    mode "verify": a target verify pass of s tokens per request (s >= 2 for a speculative step: the root
+    and at least one draft node). mode "decode": a plain decode step (s = 1: one token per request).
+    """
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
-    s: int = Field(ge=1, description="tokens verified per request")
+    s: int = Field(ge=1, description="tokens per request in the pass")
     c: int = Field(ge=0, description="cached context tokens per request")
     seconds: FiniteFloat = Field(gt=0, description="measured wall time of the pass, seconds")
     batch: int = Field(default=1, ge=1, description="requests in the pass")
+    mode: Mode = Field(default="verify", description="verify pass or plain decode step")
+
+    @model_validator(mode="after")
+    def _decode_is_one_token(self) -> LatencySample:
+        if self.mode == "decode" and self.s != 1:
+            raise ValueError(f"a decode sample has s = 1 (one token per request), got s = {self.s}")
+        return self
 
 
-class LatencyFit(BaseModel):
-    """T = max(α_c·T_comp + β_c, α_m·T_mem + β_m); α dimensionless, β seconds."""
+class DecodeFit(BaseModel):
+    """L_AR(c) = β + α·A(1, c) for one plain decode step (module docstring); β seconds, α dimensionless."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
-    alpha_c: FiniteFloat = Field(gt=0)
-    beta_c: FiniteFloat
-    alpha_m: FiniteFloat = Field(gt=0)
-    beta_m: FiniteFloat
+    beta: FiniteFloat = Field(ge=0, description="fixed seconds of a plain decode step")
+    alpha_attn: FiniteFloat = Field(ge=0, description="weight of the attention part A(1, c)")
+
+
+class LatencyFit(BaseModel):
+    """T = β_fixed + α_gemm·G + α_tok·min(T, T*) + α_attn·ΣF + α_kv·ΣK (module docstring), and the plain
+    decode fit."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    beta_fixed: FiniteFloat = Field(ge=0, description="fixed seconds per verify pass")
+    alpha_gemm: FiniteFloat = Field(ge=0, description="weight of the GEMM part G")
+    alpha_tok: FiniteFloat = Field(ge=0, description="seconds per token of the pass, up to the GEMM ridge")
+    alpha_attn: FiniteFloat = Field(ge=0, description="weight of the attention FLOPs part ΣF")
+    alpha_kv: FiniteFloat = Field(ge=0, description="weight of the KV-cache bytes part ΣK")
+    decode: DecodeFit | None = Field(default=None, description="plain decode fit (None: not measured)")
 
     @classmethod
     def identity(cls) -> LatencyFit:
-        """α = 1, β = 0: the bare roofline."""
-        return cls(alpha_c=1.0, beta_c=0.0, alpha_m=1.0, beta_m=0.0)
+        """β = 0, α_gemm = α_attn = α_kv = 1, α_tok = 0, no decode fit: the roofline's parts, added."""
+        return cls(beta_fixed=0.0, alpha_gemm=1.0, alpha_tok=0.0, alpha_attn=1.0, alpha_kv=1.0)
 
-    def apply(self, compute_seconds: float, memory_seconds: float) -> float:
-        """Calibrated seconds from the roofline's compute and memory seconds."""
-        return max(self.alpha_c * compute_seconds + self.beta_c, self.alpha_m * memory_seconds + self.beta_m)
+    def coefficients(self) -> tuple[float, ...]:
+        """(β_fixed, α_gemm, α_tok, α_attn, α_kv): the order of `_verify_design`'s columns."""
+        return (
+            self.beta_fixed,
+            self.alpha_gemm,
+            self.alpha_tok,
+            self.alpha_attn,
+            self.alpha_kv,
+        )
 
-    def apply_many(self, compute_seconds: torch.Tensor, memory_seconds: torch.Tensor) -> torch.Tensor:
-        """Elementwise `apply`: [M] float64 compute and memory seconds -> [M] float64 seconds."""
-        return torch.maximum(
-            self.alpha_c * compute_seconds + self.beta_c, self.alpha_m * memory_seconds + self.beta_m
+    def seconds(self, terms: PassTerms) -> float:
+        """Calibrated seconds of a pass from its roofline parts."""
+        return (
+            self.beta_fixed
+            + self.alpha_gemm * terms.gemm_seconds
+            + self.alpha_tok * terms.narrow_tokens
+            + self.alpha_attn * terms.attention_compute_seconds
+            + self.alpha_kv * terms.kv_seconds
+        )
+
+    def per_token_seconds(self, roofline: RooflineModel, tokens: int) -> float:
+        """The parts of `seconds` that depend on the pass's total tokens only: α_gemm·G(T) + α_tok·min(T, T*)
+        at T = tokens."""
+        return self.alpha_gemm * roofline.gemm_seconds(tokens) + self.alpha_tok * min(
+            float(tokens), roofline.gemm_ridge_tokens()
         )
 
 
 class FitReport(BaseModel):
-    """Errors of the bare roofline (raw) and of the calibrated fit on a set of samples."""
+    """Errors of the bare roofline (raw) and of the calibrated fit on a set of samples, in sample."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
-    num_samples: int = Field(ge=1)
+    num_samples: int = Field(ge=1, description="verify samples")
     rmse_raw: FiniteFloat = Field(ge=0, description="seconds")
     mape_raw: FiniteFloat = Field(ge=0, description="mean |predicted - observed| / observed, fraction")
     rmse_fit: FiniteFloat = Field(ge=0, description="seconds")
     mape_fit: FiniteFloat = Field(ge=0, description="fraction")
+    num_decode_samples: int = Field(default=0, ge=0, description="plain decode samples")
+    mape_decode_raw: FiniteFloat | None = Field(default=None, ge=0, description="fraction; None: no samples")
+    mape_decode_fit: FiniteFloat | None = Field(default=None, ge=0, description="fraction; None: no samples")
 
 
-def _roofline_terms(roofline: RooflineModel, samples: Sequence[LatencySample]) -> tuple[np.ndarray, ...]:
-    """(T_comp, T_mem, observed) seconds, [n] float64 each; a sample of batch B uses the batch form."""
-    compute = np.empty(len(samples))
-    memory = np.empty(len(samples))
-    for i, sample in enumerate(samples):
-        s, c = [sample.s] * sample.batch, [sample.c] * sample.batch
-        compute[i] = roofline.compute_seconds_batch(s, c)
-        memory[i] = roofline.memory_seconds_batch(s, c)
-    observed = np.array([sample.seconds for sample in samples])
-    return compute, memory, observed
+class LeaveOutFold(BaseModel):
+    """One fold of `validate_leave_out`: the samples of one width (or context), predicted by a fit without
+    them."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    held_out: int = Field(ge=0, description="the width s or context c left out")
+    num_samples: int = Field(ge=1)
+    mape: FiniteFloat = Field(ge=0, description="fraction")
 
 
-def _check_samples(samples: Sequence[LatencySample], minimum: int, purpose: str) -> None:
-    if len(samples) < minimum:
-        raise ValueError(f"{purpose} needs at least {minimum} latency samples, got {len(samples)}")
+class LeaveOutReport(BaseModel):
+    """Leave-one-width-out and leave-one-context-out MAPE of the fit (None: fewer than two values to
+    split)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    widths: list[LeaveOutFold] = Field(description="verify samples, one fold per width")
+    mape_widths: FiniteFloat | None = Field(ge=0, description="over every verify sample, fraction")
+    contexts: list[LeaveOutFold] = Field(description="verify samples, one fold per context")
+    mape_contexts: FiniteFloat | None = Field(ge=0, description="over every verify sample, fraction")
+    decode_contexts: list[LeaveOutFold] = Field(
+        default_factory=list, description="decode samples, one fold per context"
+    )
+    mape_decode_contexts: FiniteFloat | None = Field(default=None, ge=0, description="fraction")
+
+
+def _check_samples(samples: Sequence[LatencySample], minimum: int, purpose: str) -> list[LatencySample]:
+    """The verify samples of `samples`; ValueError unless every item is a LatencySample and there are at
+    least `minimum` verify samples."""
     for i, sample in enumerate(samples):
         if not isinstance(sample, LatencySample):
             raise ValueError(f"samples[{i}] must be a LatencySample, got {type(sample).__name__}")
+    verify = [sample for sample in samples if sample.mode == "verify"]
+    if len(verify) < minimum:
+        raise ValueError(f"{purpose} needs at least {minimum} verify latency samples, got {len(verify)}")
+    return verify
 
 
-def _fit_branch(
-    feature: np.ndarray, observed: np.ndarray, nonnegative_intercept: bool = False
-) -> tuple[float, float]:
-    """(α, β) of observed ≈ α·feature + β by least squares on one branch's samples.
-
-    nonnegative_intercept: constrain β >= 0 (the memory branch: β is the fixed cost of a pass, and the
-    branch sets the latency at s = 1, c = 0, which must stay positive). When the free least-squares β is
-    negative, the constrained optimum is β = 0 with α = Σ feature·observed / Σ feature².
-    Degenerate branch (fewer than 2 samples, one distinct feature value, or a least-squares α <= 0):
-    α = median(observed / feature) over the branch and β = mean(observed - α·feature), the least-squares β
-    for that α (clipped at 0 under the constraint).
-    """
-    if feature.size >= 2 and np.ptp(feature) > 1e-9 * np.max(feature):
-        design = np.stack([feature, np.ones_like(feature)], axis=1)
-        (alpha, beta), *_ = np.linalg.lstsq(design, observed, rcond=None)
-        if alpha > 0 and math.isfinite(alpha) and math.isfinite(beta):
-            if beta >= 0 or not nonnegative_intercept:
-                return float(alpha), float(beta)
-            return float(np.dot(feature, observed) / np.dot(feature, feature)), 0.0
-    alpha = float(np.median(observed / feature))
-    beta = float(np.mean(observed - alpha * feature))
-    return alpha, max(beta, 0.0) if nonnegative_intercept else beta
+def _sample_terms(roofline: RooflineModel, sample: LatencySample) -> PassTerms:
+    return roofline.pass_terms_batch([sample.s] * sample.batch, [sample.c] * sample.batch)
 
 
-def _fit_assignment(
-    compute: np.ndarray, memory: np.ndarray, observed: np.ndarray, on_compute: np.ndarray
+def _verify_design(roofline: RooflineModel, samples: Sequence[LatencySample]) -> np.ndarray:
+    """[n, 5] float64 rows (1, G, min(T, T*), ΣF, ΣK) of verify samples."""
+    rows = []
+    for sample in samples:
+        terms = _sample_terms(roofline, sample)
+        rows.append(
+            (
+                1.0,
+                terms.gemm_seconds,
+                terms.narrow_tokens,
+                terms.attention_compute_seconds,
+                terms.kv_seconds,
+            )
+        )
+    return np.array(rows, dtype=np.float64).reshape(-1, 5)
+
+
+def _observed(samples: Sequence[LatencySample]) -> np.ndarray:
+    return np.array([sample.seconds for sample in samples], dtype=np.float64)
+
+
+def _nnls(design: np.ndarray, target: np.ndarray, observed: np.ndarray, relative: bool) -> np.ndarray:
+    """x >= 0 minimising Σ_i w_i²(design_i·x - target_i)², w_i = 1 / observed_i (relative) or 1."""
+    weights = 1.0 / observed if relative else np.ones_like(observed)
+    matrix = design * weights[:, None]
+    norms = np.linalg.norm(matrix, axis=0)
+    norms[norms == 0] = 1.0
+    solution, _ = nnls(matrix / norms, target * weights, maxiter=50 * design.shape[1])
+    return solution / norms
+
+
+def _fit_verify(roofline: RooflineModel, samples: Sequence[LatencySample], relative: bool) -> LatencyFit:
+    """The verify coefficients (no decode fit) of `samples` by NNLS."""
+    design = _verify_design(roofline, samples)
+    observed = _observed(samples)
+    solution = [float(x) for x in _nnls(design, observed, observed, relative)]
+    if not any(solution):
+        raise ValueError("the latency fit found no non-negative coefficients that predict the samples")
+    beta, gemm, tok, attn, kv = solution
+    return LatencyFit(beta_fixed=beta, alpha_gemm=gemm, alpha_tok=tok, alpha_attn=attn, alpha_kv=kv)
+
+
+def _plain_extra(fit: LatencyFit, roofline: RooflineModel, requests: int) -> float:
+    """Seconds a plain decode step of `requests` requests adds over one request, beyond attention."""
+    if requests == 1:
+        return 0.0
+    return fit.per_token_seconds(roofline, requests) - fit.per_token_seconds(roofline, 1)
+
+
+def _fit_decode(
+    roofline: RooflineModel, verify: LatencyFit, samples: Sequence[LatencySample], relative: bool
+) -> DecodeFit:
+    design = np.array(
+        [(1.0, x.batch * roofline.attention_seconds(1, x.c)) for x in samples], dtype=np.float64
+    ).reshape(-1, 2)
+    observed = _observed(samples)
+    extra = np.array([_plain_extra(verify, roofline, x.batch) for x in samples], dtype=np.float64)
+    beta, alpha = (float(x) for x in _nnls(design, observed - extra, observed, relative))
+    if beta == alpha == 0.0:
+        raise ValueError("the plain decode fit found no non-negative coefficients that predict the samples")
+    return DecodeFit(beta=beta, alpha_attn=alpha)
+
+
+def fit_latency(
+    roofline: RooflineModel, samples: Sequence[LatencySample], *, relative: bool = True
 ) -> LatencyFit:
-    """Refit both branches for one assignment of samples (True: compute branch).
-
-    A branch that holds no sample gets α = median ratio over all samples and the largest β that keeps it
-    at or below the other branch on every sample, so it changes no prediction on the data (for the memory
-    branch at least 0: β_m >= 0 keeps every fit's latency positive at s = 1, c = 0).
-    """
-    if on_compute.all():
-        alpha_c, beta_c = _fit_branch(compute, observed)
-        alpha_m = float(np.median(observed / memory))
-        beta_m = max(float(np.min(alpha_c * compute + beta_c - alpha_m * memory)), 0.0)
-    elif not on_compute.any():
-        alpha_m, beta_m = _fit_branch(memory, observed, nonnegative_intercept=True)
-        alpha_c = float(np.median(observed / compute))
-        beta_c = float(np.min(alpha_m * memory + beta_m - alpha_c * compute))
-    else:
-        alpha_c, beta_c = _fit_branch(compute[on_compute], observed[on_compute])
-        alpha_m, beta_m = _fit_branch(memory[~on_compute], observed[~on_compute], nonnegative_intercept=True)
-    return LatencyFit(alpha_c=alpha_c, beta_c=beta_c, alpha_m=alpha_m, beta_m=beta_m)
+    """Non-negative least-squares fit of the module's model to measured passes (verify samples: the verify
+    coefficients; decode samples, if any: the plain decode fit). Samples are fitted at their measured
+    widths s. relative: minimise relative error (the default; False: absolute error in seconds, only to
+    compare). Raises ValueError for fewer than 2 verify samples."""
+    verify = _check_samples(samples, 2, "fitting")
+    fit = _fit_verify(roofline, verify, relative)
+    decode = [sample for sample in samples if sample.mode == "decode"]
+    if not decode:
+        return fit
+    return fit.model_copy(update={"decode": _fit_decode(roofline, fit, decode, relative)})
 
 
-def _branches(fit: LatencyFit, compute: np.ndarray, memory: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return fit.alpha_c * compute + fit.beta_c, fit.alpha_m * memory + fit.beta_m
+def _predicted(roofline: RooflineModel, fit: LatencyFit, sample: LatencySample) -> float:
+    """The fit's seconds for one sample (verify or decode), no padding, no online correction."""
+    if sample.mode == "verify" or fit.decode is None:
+        return fit.seconds(_sample_terms(roofline, sample))
+    attention = sample.batch * roofline.attention_seconds(1, sample.c)
+    return fit.decode.beta + fit.decode.alpha_attn * attention + _plain_extra(fit, roofline, sample.batch)
 
 
-def _starts(compute: np.ndarray, memory: np.ndarray, widths: np.ndarray) -> list[np.ndarray]:
-    """Initial assignments (True: compute branch): roofline dominance, all-compute, all-memory, and
-    splits at the quartiles of s and of the arithmetic-intensity ratio T_comp / T_mem."""
-    intensity = compute / memory
-    starts = [compute >= memory, np.ones_like(compute, bool), np.zeros_like(compute, bool)]
-    for quantile in (0.25, 0.5, 0.75):
-        starts.append(widths > np.quantile(widths, quantile))
-        starts.append(intensity > np.quantile(intensity, quantile))
-    return starts
-
-
-def fit_latency(roofline: RooflineModel, samples: Sequence[LatencySample]) -> LatencyFit:
-    """Least-squares fit of T = max(α_c·T_comp + β_c, α_m·T_mem + β_m) to measured passes.
-
-    The max of two affine maps is fitted by alternation: assign each sample to the branch that is larger
-    under the current fit, refit each branch's (α, β) by linear least squares on its samples (see
-    `_fit_branch` for a degenerate branch), and repeat until the assignment no longer changes. This runs
-    from every start of `_starts`; every fit visited is scored by its squared error on all samples under
-    the max model, and the lowest wins. β_m is kept >= 0 (with α_m > 0 every fit then predicts a positive
-    latency at s = 1, c = 0, as `LatencyModel` requires, however noisy the samples); β_c is free (a compute
-    branch fitted on large widths may cross zero below them). Raises ValueError for fewer than 2 samples.
-    """
-    _check_samples(samples, 2, "fitting")
-    compute, memory, observed = _roofline_terms(roofline, samples)
-    widths = np.array([sample.s for sample in samples], dtype=np.float64)
-    best_fit, best_error = LatencyFit.identity(), math.inf
-    for on_compute in _starts(compute, memory, widths):
-        seen: set[bytes] = set()
-        for _ in range(_MAX_ROUNDS):
-            seen.add(on_compute.tobytes())
-            fit = _fit_assignment(compute, memory, observed, on_compute)
-            compute_branch, memory_branch = _branches(fit, compute, memory)
-            error = float(np.sum((np.maximum(compute_branch, memory_branch) - observed) ** 2))
-            if error < best_error:
-                best_fit, best_error = fit, error
-            on_compute = compute_branch >= memory_branch
-            if on_compute.tobytes() in seen:
-                break
-    return best_fit
+def _mape(predicted: np.ndarray, observed: np.ndarray) -> float:
+    return float(np.mean(np.abs(predicted - observed) / observed))
 
 
 def evaluate_fit(roofline: RooflineModel, fit: LatencyFit, samples: Sequence[LatencySample]) -> FitReport:
-    """RMSE (seconds) and MAPE (fraction) of the bare roofline and of `fit` on `samples`."""
-    _check_samples(samples, 1, "evaluate_fit")
-    compute, memory, observed = _roofline_terms(roofline, samples)
-    raw = np.maximum(compute, memory)
-    fitted = np.maximum(*_branches(fit, compute, memory))
+    """RMSE (seconds) and MAPE (fraction) of the bare roofline (eqs. 8, 9) and of `fit` on the verify
+    samples, and MAPE of both on the decode samples (the roofline at s = 1 vs the plain decode fit)."""
+    verify = _check_samples(samples, 1, "evaluate_fit")
+    observed = _observed(verify)
+    raw = np.array([roofline.verify_seconds_batch([x.s] * x.batch, [x.c] * x.batch) for x in verify])
+    fitted = np.array([_predicted(roofline, fit, x) for x in verify])
+    decode = [sample for sample in samples if sample.mode == "decode"]
+    decode_raw = decode_fit = None
+    if decode:
+        decode_observed = _observed(decode)
+        decode_raw = _mape(
+            np.array([roofline.verify_seconds_batch([1] * x.batch, [x.c] * x.batch) for x in decode]),
+            decode_observed,
+        )
+        decode_fit = _mape(np.array([_predicted(roofline, fit, x) for x in decode]), decode_observed)
     return FitReport(
-        num_samples=len(samples),
+        num_samples=len(verify),
         rmse_raw=float(np.sqrt(np.mean((raw - observed) ** 2))),
-        mape_raw=float(np.mean(np.abs(raw - observed) / observed)),
+        mape_raw=_mape(raw, observed),
         rmse_fit=float(np.sqrt(np.mean((fitted - observed) ** 2))),
-        mape_fit=float(np.mean(np.abs(fitted - observed) / observed)),
+        mape_fit=_mape(fitted, observed),
+        num_decode_samples=len(decode),
+        mape_decode_raw=decode_raw,
+        mape_decode_fit=decode_fit,
+    )
+
+
+def _leave_out(
+    samples: Sequence[LatencySample],
+    key: Callable[[LatencySample], int],
+    refit: Callable[[list[LatencySample]], Callable[[LatencySample], float]],
+) -> tuple[list[LeaveOutFold], float | None]:
+    """Folds of `samples` by `key`: refit on all other values, predict the left-out ones."""
+    values = sorted({key(sample) for sample in samples})
+    if len(values) < 2:
+        return [], None
+    folds, errors = [], []
+    for value in values:
+        held = [sample for sample in samples if key(sample) == value]
+        predict = refit([sample for sample in samples if key(sample) != value])
+        fold_errors = [abs(predict(x) - x.seconds) / x.seconds for x in held]
+        errors.extend(fold_errors)
+        folds.append(LeaveOutFold(held_out=value, num_samples=len(held), mape=float(np.mean(fold_errors))))
+    return folds, float(np.mean(errors))
+
+
+def validate_leave_out(
+    roofline: RooflineModel, samples: Sequence[LatencySample], *, relative: bool = True
+) -> LeaveOutReport:
+    """Leave-out validation of `fit_latency` (module docstring): for each width s of the verify samples, refit
+    the verify coefficients without every sample of that width and predict them; the same per context c;
+    and per context for the plain decode fit (its batch extra from the verify fit on all samples). The
+    overall MAPE of a family is over all its samples, each predicted once. Raises ValueError for fewer than
+    2 verify samples."""
+    verify = _check_samples(samples, 2, "leave-out validation")
+
+    def refit_verify(train: list[LatencySample]) -> Callable[[LatencySample], float]:
+        fit = _fit_verify(roofline, train, relative)
+        return lambda sample: _predicted(roofline, fit, sample)
+
+    widths, mape_widths = _leave_out(verify, lambda x: x.s, refit_verify)
+    contexts, mape_contexts = _leave_out(verify, lambda x: x.c, refit_verify)
+    decode = [sample for sample in samples if sample.mode == "decode"]
+    full = fit_latency(roofline, verify, relative=relative)
+
+    def refit_decode(train: list[LatencySample]) -> Callable[[LatencySample], float]:
+        fit = full.model_copy(update={"decode": _fit_decode(roofline, full, train, relative)})
+        return lambda sample: _predicted(roofline, fit, sample)
+
+    decode_contexts, mape_decode = _leave_out(decode, lambda x: x.c, refit_decode)
+    return LeaveOutReport(
+        widths=widths,
+        mape_widths=mape_widths,
+        contexts=contexts,
+        mape_contexts=mape_contexts,
+        decode_contexts=decode_contexts,
+        mape_decode_contexts=mape_decode,
     )
 
 
@@ -219,15 +420,111 @@ def validate_width_buckets(width_buckets: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(b) for b in buckets)
 
 
-class LatencyModel:
-    """Predicted verify seconds: EMA factor × calibrated roofline at the padded width.
+def _check_ema_alpha(ema_alpha: float) -> float:
+    if isinstance(ema_alpha, bool) or not isinstance(ema_alpha, Real) or not 0 < ema_alpha <= 1:
+        raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha!r}")
+    return float(ema_alpha)
 
-    Everything but the EMA factor is fixed at construction; `observe` updates the factor in place.
-    ema_alpha: weight a of the newest observation, in (0, 1].
-    width_buckets: captured verify widths (tokens per request), sorted and unique; None: no padding.
+
+class OnlineCorrection:
+    """observed ≈ a·predicted + d·tokens, fitted online (module docstring: "Online correction").
+
+    Exponentially weighted least squares on relative error, (p/y, n/y)·(a, d) ≈ 1 for each observation
+    (p predicted seconds, n tokens of the pass, y observed seconds), with the weighted sums decayed by
+    1 - ema_alpha per observation and a prior PRIOR_WEIGHT·[(a - 1)² + (d·n̄ / p̄)²] that never decays
+    (p̄, n̄: the weighted means of the predictions and tokens).
     """
 
-    __slots__ = ("_bucket_tensor", "_buckets", "_ema_alpha", "_factor", "_fit", "_roofline")
+    __slots__ = (
+        "_a",
+        "_d",
+        "_decay",
+        "_g11",
+        "_g12",
+        "_g22",
+        "_observations",
+        "_r1",
+        "_r2",
+        "_sn",
+        "_sp",
+        "_sw",
+    )
+
+    def __init__(self, ema_alpha: float = 0.1) -> None:
+        self._decay = 1.0 - _check_ema_alpha(ema_alpha)
+        self._g11 = self._g12 = self._g22 = self._r1 = self._r2 = self._sw = self._sp = self._sn = 0.0
+        self._a, self._d = 1.0, 0.0
+        self._observations = 0
+
+    @property
+    def scale(self) -> float:
+        """a (1 before any observation)."""
+        return self._a
+
+    @property
+    def per_token(self) -> float:
+        """d, seconds per token (0 before any observation)."""
+        return self._d
+
+    @property
+    def observations(self) -> int:
+        return self._observations
+
+    @property
+    def reference(self) -> tuple[float, float] | None:
+        """(p̄ seconds, n̄ tokens): the weighted means of what was observed (None before any observation)."""
+        return (self._sp / self._sw, self._sn / self._sw) if self._sw > 0 else None
+
+    @property
+    def factor(self) -> float:
+        """(a·p̄ + d·n̄) / p̄: the correction as a factor at its typical point (1 before any observation)."""
+        reference = self.reference
+        if reference is None:
+            return 1.0
+        predicted, tokens = reference
+        return self.correct(predicted, tokens) / predicted
+
+    def correct(self, predicted: float, tokens: float) -> float:
+        """max(a·predicted + d·tokens, CORRECTION_FLOOR·predicted), seconds."""
+        return max(self._a * predicted + self._d * tokens, CORRECTION_FLOOR * predicted)
+
+    def correct_many(self, predicted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Elementwise `correct`: [M] float64 seconds and [M] tokens -> [M] float64 seconds."""
+        corrected = self._a * predicted + self._d * tokens.to(torch.float64)
+        return torch.maximum(corrected, CORRECTION_FLOOR * predicted)
+
+    def update(self, predicted: float, tokens: float, observed: float) -> None:
+        """Add one observation (predicted and observed seconds > 0, tokens >= 1) and refit a and d."""
+        decay = self._decay
+        x1, x2 = predicted / observed, tokens / observed
+        self._g11 = decay * self._g11 + x1 * x1
+        self._g12 = decay * self._g12 + x1 * x2
+        self._g22 = decay * self._g22 + x2 * x2
+        self._r1 = decay * self._r1 + x1
+        self._r2 = decay * self._r2 + x2
+        self._sw = decay * self._sw + 1.0
+        self._sp = decay * self._sp + predicted
+        self._sn = decay * self._sn + tokens
+        self._observations += 1
+        scale = (self._sn / self._sp) ** 2  # (n̄ / p̄)²: d in units of a
+        m11 = self._g11 + PRIOR_WEIGHT
+        m22 = self._g22 + PRIOR_WEIGHT * scale
+        determinant = m11 * m22 - self._g12 * self._g12
+        a = ((self._r1 + PRIOR_WEIGHT) * m22 - self._g12 * self._r2) / determinant
+        low, high = SCALE_BOUNDS
+        self._a = min(max(a, low), high)
+        self._d = (self._r2 - self._g12 * self._a) / m22  # the best d for this a
+
+
+class LatencyModel:
+    """Predicted seconds of verify passes (at the padded width) and plain decode steps, corrected online.
+
+    Everything but the online corrections is fixed at construction; `observe*` update them in place.
+    ema_alpha: weight of the newest observation in the online corrections, in (0, 1].
+    width_buckets: the verify widths passes run at (tokens per request), sorted and unique; None: no padding.
+    """
+
+    __slots__ = ("_bucket_tensor", "_buckets", "_ema_alpha", "_fit", "_plain", "_roofline", "_verify")
 
     def __init__(
         self,
@@ -240,19 +537,22 @@ class LatencyModel:
             raise ValueError(f"roofline must be a RooflineModel, got {type(roofline).__name__}")
         if fit is not None and not isinstance(fit, LatencyFit):
             raise ValueError(f"fit must be a LatencyFit or None, got {type(fit).__name__}")
-        if isinstance(ema_alpha, bool) or not isinstance(ema_alpha, Real) or not 0 < ema_alpha <= 1:
-            raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha!r}")
         self._roofline = roofline
         self._fit = fit
-        self._ema_alpha = float(ema_alpha)
+        self._ema_alpha = _check_ema_alpha(ema_alpha)
         self._buckets = None if width_buckets is None else validate_width_buckets(width_buckets)
         self._bucket_tensor = (
             None if self._buckets is None else torch.tensor(self._buckets, dtype=torch.int64)
         )
-        self._factor = 1.0
-        floor = self._calibrated_seconds(1, 0)
-        if floor <= 0:
-            raise ValueError(f"the latency fit predicts {floor} s at s=1, c=0; it must be positive: {fit!r}")
+        self._verify = OnlineCorrection(self._ema_alpha)
+        self._plain = OnlineCorrection(self._ema_alpha)
+        floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
+        for what, floor in floors:
+            if not floor > 0:
+                raise ValueError(
+                    f"the latency fit predicts {floor} s for a {what} pass at s=1, c=0; it must be positive: "
+                    f"{fit!r}"
+                )
 
     @property
     def roofline(self) -> RooflineModel:
@@ -277,14 +577,24 @@ class LatencyModel:
         return self._buckets
 
     @property
+    def verify_correction(self) -> OnlineCorrection:
+        """The online correction of verify passes."""
+        return self._verify
+
+    @property
+    def plain_correction(self) -> OnlineCorrection:
+        """The online correction of plain decode steps."""
+        return self._plain
+
+    @property
     def ema_factor(self) -> float:
-        """Multiplicative correction f learned online (1 before any observation)."""
-        return self._factor
+        """The verify correction as one factor at its typical point (1 before any observation)."""
+        return self._verify.factor
 
     @property
     def drift(self) -> float:
-        """|f - 1|: how far the observed latency has moved from the offline fit, fraction."""
-        return abs(self._factor - 1.0)
+        """|ema_factor - 1|: how far the observed verify latency has moved from the offline fit, fraction."""
+        return abs(self._verify.factor - 1.0)
 
     def padded_width(self, s: int) -> int:
         """The verify width a pass of s tokens per request runs at: the smallest bucket >= s (s itself
@@ -297,21 +607,28 @@ class LatencyModel:
             raise ValueError(f"s = {s} exceeds the largest width bucket; buckets: {list(self._buckets)}")
         return next(b for b in self._buckets if b >= s)
 
-    def _calibrated_seconds(self, width: int, c: int) -> float:
-        fit = self.latency_fit
-        return fit.apply(self._roofline.compute_seconds(width, c), self._roofline.memory_seconds(width, c))
+    def _verify_seconds(self, width: int, c: int) -> float:
+        return self.latency_fit.seconds(self._roofline.pass_terms(width, c))
 
-    def _calibrated_batch_seconds(self, s_per_request: TokenCounts, c_per_request: TokenCounts) -> float:
+    def _verify_batch_terms(self, s_per_request: TokenCounts, c_per_request: TokenCounts) -> PassTerms:
         s_list = s_per_request.tolist() if isinstance(s_per_request, torch.Tensor) else list(s_per_request)
         if self._buckets is not None and s_list:
             s_list = [self.padded_width(max(s_list))] * len(s_list)
-        compute = self._roofline.compute_seconds_batch(s_list, c_per_request)
-        memory = self._roofline.memory_seconds_batch(s_list, c_per_request)
-        return self.latency_fit.apply(compute, memory)
+        return self._roofline.pass_terms_batch(s_list, c_per_request)
+
+    def _plain_seconds(self, contexts: TokenCounts) -> float:
+        c_list = contexts.tolist() if isinstance(contexts, torch.Tensor) else list(contexts)
+        fit = self.latency_fit
+        terms = self._roofline.pass_terms_batch([1] * len(c_list), c_list)
+        if fit.decode is None:
+            return fit.seconds(terms)
+        extra = _plain_extra(fit, self._roofline, len(c_list))
+        return fit.decode.beta + fit.decode.alpha_attn * terms.attention_seconds + extra
 
     def predict(self, s: int, c: int) -> float:
-        """Seconds of one verify pass of s tokens over c cached tokens: f × T(padded width, c)."""
-        return self._factor * self._calibrated_seconds(self.padded_width(s), c)
+        """Seconds of one verify pass of s tokens over c cached tokens, at the padded width, corrected."""
+        width = self.padded_width(s)
+        return self._verify.correct(self._verify_seconds(width, c), width)
 
     def predict_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
         """Vectorised `predict`. s: [M] int64 widths; c: cached tokens. Returns [M] float64 seconds on s's
@@ -328,9 +645,16 @@ class LatencyModel:
                 )
             buckets = self._bucket_tensor.to(s.device)
             widths = buckets[torch.searchsorted(buckets, s, side="left")]
-        compute = self._roofline.compute_seconds_many(widths, c)
-        memory = self._roofline.memory_seconds_many(widths, c)
-        return self._factor * self.latency_fit.apply_many(compute, memory)
+        fit, roofline = self.latency_fit, self._roofline
+        tokens = widths.to(torch.float64)
+        seconds = (
+            fit.beta_fixed
+            + fit.alpha_gemm * roofline.gemm_seconds_many(widths)
+            + fit.alpha_tok * tokens.clamp_max(roofline.gemm_ridge_tokens())
+            + fit.alpha_attn * roofline.attention_compute_seconds_many(widths, c)
+            + fit.alpha_kv * roofline.kv_seconds_many(widths, c)
+        )
+        return self._verify.correct_many(seconds, tokens)
 
     def predict_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts) -> float:
         """Seconds of one verify pass over a batch. s_per_request, c_per_request: [B] tokens verified and
@@ -339,29 +663,59 @@ class LatencyModel:
         Without buckets each request verifies its own s_i tokens. With buckets the pass runs one captured
         width for the whole batch, the bucket of max_i s_i, so every request is padded to it.
         """
-        return self._factor * self._calibrated_batch_seconds(s_per_request, c_per_request)
+        terms = self._verify_batch_terms(s_per_request, c_per_request)
+        return self._verify.correct(self.latency_fit.seconds(terms), terms.tokens)
 
-    def _update(self, seconds: float, predicted: float) -> None:
-        self._factor = (1.0 - self._ema_alpha) * self._factor + self._ema_alpha * (seconds / predicted)
+    def predict_plain(self, c: int) -> float:
+        """Seconds of one plain decode step (one token) over c cached tokens, corrected online."""
+        return self.predict_plain_batch([c])
+
+    def predict_plain_batch(self, contexts: TokenCounts) -> float:
+        """Seconds of one plain decode step over a batch: one token for each request, contexts: [B] cached
+        tokens per request."""
+        c_list = _check_contexts(contexts)
+        return self._plain.correct(self._plain_seconds(c_list), len(c_list))
 
     def observe(self, s: int, c: int, seconds: float) -> None:
-        """EMA update after a measured pass of s tokens over c cached tokens taking `seconds`:
-        f <- (1 - a)·f + a·(seconds / T(padded width, c)). ValueError for non-finite or non-positive seconds.
-        """
+        """Online update after a measured verify pass of s tokens over c cached tokens taking `seconds`
+        (compared with the offline prediction at the padded width). ValueError for non-finite or
+        non-positive seconds."""
         _check_seconds(seconds)
-        self._update(seconds, self._calibrated_seconds(self.padded_width(s), c))
+        width = self.padded_width(s)
+        self._verify.update(self._verify_seconds(width, c), width, float(seconds))
 
     def observe_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts, seconds: float) -> None:
-        """`observe` for one measured pass over a batch (padded as in `predict_batch`)."""
+        """`observe` for one measured verify pass over a batch (padded as in `predict_batch`)."""
         _check_seconds(seconds)
-        self._update(seconds, self._calibrated_batch_seconds(s_per_request, c_per_request))
+        terms = self._verify_batch_terms(s_per_request, c_per_request)
+        self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds))
+
+    def observe_plain(self, c: int, seconds: float) -> None:
+        """Online update after a measured plain decode step of one request over c cached tokens."""
+        self.observe_plain_batch([c], seconds)
+
+    def observe_plain_batch(self, contexts: TokenCounts, seconds: float) -> None:
+        """Online update after a measured plain decode step over a batch, contexts: [B] cached tokens."""
+        _check_seconds(seconds)
+        c_list = _check_contexts(contexts)
+        self._plain.update(self._plain_seconds(c_list), len(c_list), float(seconds))
 
     def fit(self, samples: Sequence[LatencySample]) -> LatencyModel:
         """A new model with `fit_latency(roofline, samples)`, the same roofline, EMA weight and buckets, and
-        a fresh EMA factor of 1. Samples are fitted at their measured widths s (no padding)."""
+        fresh online corrections. Samples are fitted at their measured widths s (no padding)."""
         return LatencyModel(
             self._roofline, fit_latency(self._roofline, samples), self._ema_alpha, self._buckets
         )
+
+
+def _check_contexts(contexts: TokenCounts) -> list[int]:
+    c_list = contexts.tolist() if isinstance(contexts, torch.Tensor) else list(contexts)
+    if not c_list:
+        raise ValueError("a plain decode step needs at least one request, got no contexts")
+    for c in c_list:
+        if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
+            raise ValueError(f"c (cached context tokens) must be an int >= 0, got {c!r}")
+    return [int(c) for c in c_list]
 
 
 def _check_seconds(seconds: float) -> None:

@@ -40,12 +40,14 @@ from bastion_sglang.controller.latency import (
     LatencyFit,
     LatencyModel,
     LatencySample,
+    LeaveOutReport,
     validate_width_buckets,
 )
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, read_hf_config
 
-PROFILE_SCHEMA_VERSION = 1
-"""Version of the profile JSON layout this code reads and writes."""
+PROFILE_SCHEMA_VERSION = 2
+"""Version of the profile JSON layout this code reads and writes. 2: the additive latency model (`LatencyFit`
+of β_fixed, α_gemm, α_attn, α_tok and the plain decode fit), decode samples, the leave-out report."""
 
 IGNORED_CONFIG_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "use_cache"})
 """Config keys left out of `config_hash` (besides every key starting with "_")."""
@@ -113,14 +115,17 @@ class CalibrationProfile(BaseModel):
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
-    schema_version: Literal[1]
+    schema_version: Literal[2]
     metadata: ProfileMetadata
     model_shape: ModelShape
     hardware: HardwareSpec = Field(description="measured peak FLOP/s and bytes/s")
     bytes_per_element: FiniteFloat = Field(gt=0, description="bp the roofline and fit used, bytes")
     fit: LatencyFit
     report: FitReport
-    samples: list[LatencySample] = Field(min_length=1)
+    leave_out: LeaveOutReport | None = Field(
+        default=None, description="MAPE with whole widths and whole contexts left out of the fit"
+    )
+    samples: list[LatencySample] = Field(min_length=1, description="verify passes and plain decode steps")
     step_costs: StepCosts
     width_buckets: list[int] | None = Field(description="captured verify widths, tokens per request")
     max_context: int = Field(ge=1, description="largest cached context the calibration covered, tokens")
@@ -141,7 +146,8 @@ class CalibrationProfile(BaseModel):
     @field_validator("fit")
     @classmethod
     def _positive_latency(cls, fit: LatencyFit, info: ValidationInfo) -> LatencyFit:
-        """The fit must predict a positive latency (checked at s = 1, c = 0, its minimum)."""
+        """The fit must predict a positive latency (checked at s = 1, c = 0, its minimum: the coefficients
+        are non-negative)."""
         needed = ("model_shape", "hardware", "bytes_per_element")
         if all(key in info.data for key in needed):  # absent when those fields failed their own checks
             shape, hardware, bp = (info.data[key] for key in needed)
@@ -189,7 +195,11 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         raise ProfileError(path, f"missing field schema_version (supported: {PROFILE_SCHEMA_VERSION})")
     version = data["schema_version"]
     if type(version) is not int or version != PROFILE_SCHEMA_VERSION:
-        raise ProfileError(path, f"schema_version found {version!r}, supported {PROFILE_SCHEMA_VERSION}")
+        raise ProfileError(
+            path,
+            f"schema_version found {version!r}, supported {PROFILE_SCHEMA_VERSION}; re-run "
+            "`bastion calibrate` to measure a profile this version reads",
+        )
     try:
         return CalibrationProfile.model_validate_json(text)
     except ValidationError as error:

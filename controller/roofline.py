@@ -19,6 +19,22 @@ s_i tokens and c_i cached tokens each therefore costs
                   + Σ_i bp·[s_i(h+V) + L(2h_kv(c_i+2s_i) + 4s_i(h+h_q+h_ffn) + 2n_q·s_i(c_i+s_i))]
 
 which equals eqs. (8) and (9) for B = 1.
+
+The parts of a pass (`gemm_flops`, `weight_bytes`, `attention_flops`, `request_bytes`, `kv_bytes`, their
+seconds, and `pass_terms_batch` for a whole pass), which the calibrated latency model weighs apart:
+
+    GEMM FLOPs(T)      = L(4T·h·h_q + 4T·h·h_kv + 6T·h·h_ffn) + 2T·h·V       T tokens in the pass
+    weight bytes       = bp·[2Vh + L(2h(h_q+h_kv) + 3h·h_ffn)]                 read once per pass
+    attention FLOPs    = 4·s·(c+s)·h_q·L                                        per request
+    request bytes      = bp·[s(h+V) + L(2h_kv(c+2s) + 4s(h+h_q+h_ffn))]         per request: KV + activations
+    KV bytes           = bp·L·2h_kv·(c+2s)                                      per request: the KV cache
+    gemm seconds       = max(GEMM FLOPs(Σ_i s_i) / peak, weight bytes / bandwidth)
+    GEMM ridge T*      = tokens where GEMM FLOPs(T*) / peak = weight bytes / bandwidth
+    attention seconds  = Σ_i max(attention FLOPs_i / peak, request bytes_i / bandwidth)
+
+Eq. (8) is GEMM FLOPs(s) + attention FLOPs. The request bytes leave out eq. (9)'s score matrix
+(2n_q·s(c+s) per layer): fused attention kernels never write it, and at s = 1024, c = 8192 it would be most
+of T_mem.
 """
 
 from __future__ import annotations
@@ -278,8 +294,21 @@ def _as_requests(s: TokenCounts, c: TokenCounts) -> tuple[list[int], list[int]]:
 
 
 @dataclass(frozen=True)
+class PassTerms:
+    """The parts of one pass the calibrated latency model weighs (see `controller.latency`), seconds unless
+    named otherwise. Requests i of the pass; T = Σ_i s_i tokens."""
+
+    tokens: int  # T, tokens in the pass, all requests together
+    gemm_seconds: float  # G = max(GEMM FLOPs(T) / peak, weight bytes / bandwidth)
+    narrow_tokens: float  # min(T, T*), T* the GEMM ridge (`gemm_ridge_tokens`): tokens up to the ridge
+    attention_compute_seconds: float  # Σ_i attention FLOPs_i / peak
+    kv_seconds: float  # Σ_i KV-cache bytes_i / bandwidth
+    attention_seconds: float  # Σ_i max(attention FLOPs_i / peak, request bytes_i / bandwidth)
+
+
+@dataclass(frozen=True)
 class RooflineModel:
-    """Eqs. (8) and (9) for one target model on one GPU. Scalar, vectorised and batch forms.
+    """Eqs. (8) and (9) for one target model on one GPU, and their parts. Scalar, vectorised and batch forms.
 
     bytes_per_element: bp, bytes of one weight / activation element (2 for bf16).
     """
@@ -295,12 +324,21 @@ class RooflineModel:
 
     # Element counts. Generic over Python ints (exact) and float64 tensors (vectorised).
 
+    def _gemm_flops(self, tokens: Any) -> Any:
+        """FLOPs of the linear layers and the LM head for `tokens` tokens: L(4Th·h_q + 4Th·h_kv + 6Th·h_ffn)
+        + 2ThV."""
+        m = self.shape
+        h = m.hidden_size
+        per_layer = 4 * tokens * h * m.hq + 4 * tokens * h * m.hkv + 6 * tokens * h * m.ffn_size
+        return m.num_layers * per_layer + 2 * tokens * h * m.vocab_size
+
+    def _attention_flops(self, s: Any, c: Any) -> Any:
+        """FLOPs of one request's attention, s queries over c + s keys: 4·s·(c+s)·h_q·L."""
+        return 4 * s * (c + s) * self.shape.hq * self.shape.num_layers
+
     def _flops(self, s: Any, c: Any) -> Any:
         """Eq. (8), FLOPs of one request's s tokens over c cached tokens."""
-        m = self.shape
-        h, hq, hkv = m.hidden_size, m.hq, m.hkv
-        per_layer = 4 * s * h * hq + 4 * s * h * hkv + 4 * s * (c + s) * hq + 6 * s * h * m.ffn_size
-        return m.num_layers * per_layer + 2 * s * h * m.vocab_size
+        return self._gemm_flops(s) + self._attention_flops(s, c)
 
     def _weight_elements(self) -> int:
         """Weight elements read once per pass: 2Vh + L(2h(h_q+h_kv) + 3h·h_ffn)."""
@@ -309,14 +347,112 @@ class RooflineModel:
         return 2 * m.vocab_size * h + m.num_layers * (2 * h * (m.hq + m.hkv) + 3 * h * m.ffn_size)
 
     def _request_elements(self, s: Any, c: Any) -> Any:
-        """Per-request elements: s(h+V) + L(2h_kv(c+2s) + 4s(h+h_q+h_ffn) + 2n_q·s(c+s))."""
+        """Per-request KV cache and activation elements, no score matrix:
+        s(h+V) + L(2h_kv(c+2s) + 4s(h+h_q+h_ffn))."""
         m = self.shape
         h = m.hidden_size
-        kv = 2 * m.hkv * (c + 2 * s)
-        activations = 4 * s * (h + m.hq + m.ffn_size) + 2 * m.num_q_heads * s * (c + s)
-        return s * (h + m.vocab_size) + m.num_layers * (kv + activations)
+        activations = 4 * s * (h + m.hq + m.ffn_size)
+        return s * (h + m.vocab_size) + m.num_layers * activations + self._kv_elements(s, c)
 
-    # Single request (exact integer arithmetic, then one rounding to float).
+    def _kv_elements(self, s: Any, c: Any) -> Any:
+        """One request's KV-cache elements: L·2h_kv·(c+2s) (read c + s cached and new, write s)."""
+        return self.shape.num_layers * 2 * self.shape.hkv * (c + 2 * s)
+
+    def _score_elements(self, s: Any, c: Any) -> Any:
+        """The attention score matrix eq. (9) counts: 2n_q·s(c+s)·L (fused kernels never write it)."""
+        return 2 * self.shape.num_q_heads * s * (c + s) * self.shape.num_layers
+
+    # The parts of a pass (no score matrix): what `controller.latency` weighs.
+
+    def gemm_flops(self, tokens: int) -> float:
+        """FLOPs of the linear layers and LM head over `tokens` tokens (all requests of a pass together)."""
+        tokens, _ = _check_tokens(tokens, 0)
+        return float(self._gemm_flops(tokens))
+
+    def weight_bytes(self) -> float:
+        """Bytes of the weights, read once per pass: bp·[2Vh + L(2h(h_q+h_kv) + 3h·h_ffn)]."""
+        return float(self.bytes_per_element * self._weight_elements())
+
+    def attention_flops(self, s: int, c: int) -> float:
+        """FLOPs of one request's attention: 4·s·(c+s)·h_q·L."""
+        s, c = _check_tokens(s, c)
+        return float(self._attention_flops(s, c))
+
+    def request_bytes(self, s: int, c: int) -> float:
+        """Bytes of one request's KV cache and activations, without the score matrix term:
+        bp·[s(h+V) + L(2h_kv(c+2s) + 4s(h+h_q+h_ffn))]."""
+        s, c = _check_tokens(s, c)
+        return float(self.bytes_per_element * self._request_elements(s, c))
+
+    def kv_bytes(self, s: int, c: int) -> float:
+        """Bytes of one request's KV cache (the part of `request_bytes` that grows with c):
+        bp·L·2h_kv·(c+2s)."""
+        s, c = _check_tokens(s, c)
+        return float(self.bytes_per_element * self._kv_elements(s, c))
+
+    def gemm_ridge_tokens(self) -> float:
+        """T*: the tokens at which a pass's GEMM FLOPs / peak equal its weight bytes / bandwidth. Below it the
+        roofline prices the GEMMs at the weight read, above it at the FLOPs."""
+        return self.weight_bytes() * self.hw.peak_flops / (self.hw.bandwidth * self.gemm_flops(1))
+
+    def gemm_seconds(self, tokens: int) -> float:
+        """max(GEMM FLOPs / peak, weight bytes / bandwidth) of a pass over `tokens` tokens, seconds."""
+        return max(self.gemm_flops(tokens) / self.hw.peak_flops, self.weight_bytes() / self.hw.bandwidth)
+
+    def attention_seconds(self, s: int, c: int) -> float:
+        """max(attention FLOPs / peak, request bytes / bandwidth) of one request, seconds."""
+        return max(
+            self.attention_flops(s, c) / self.hw.peak_flops, self.request_bytes(s, c) / self.hw.bandwidth
+        )
+
+    def attention_compute_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
+        """s: [M] int64 widths, c: cached tokens -> [M] float64 attention FLOPs / peak on s's device."""
+        _check_token_tensor(s)
+        _, c = _check_tokens(1, c)
+        return self._attention_flops(s.to(torch.float64), float(c)) / self.hw.peak_flops
+
+    def kv_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
+        """s: [M] int64 widths, c: cached tokens -> [M] float64 KV-cache bytes / bandwidth on s's device."""
+        _check_token_tensor(s)
+        _, c = _check_tokens(1, c)
+        return self.bytes_per_element * self._kv_elements(s.to(torch.float64), float(c)) / self.hw.bandwidth
+
+    def gemm_seconds_many(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [M] int64 tokens per pass -> [M] float64 `gemm_seconds` on tokens' device."""
+        _check_token_tensor(tokens)
+        compute = self._gemm_flops(tokens.to(torch.float64)) / self.hw.peak_flops
+        return compute.clamp_min(self.weight_bytes() / self.hw.bandwidth)
+
+    def attention_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
+        """s: [M] int64 widths, c: cached tokens -> [M] float64 `attention_seconds` on s's device."""
+        _check_token_tensor(s)
+        _, c = _check_tokens(1, c)
+        widths = s.to(torch.float64)
+        compute = self._attention_flops(widths, float(c)) / self.hw.peak_flops
+        memory = self.bytes_per_element * self._request_elements(widths, float(c)) / self.hw.bandwidth
+        return torch.maximum(compute, memory)
+
+    def pass_terms(self, s: int, c: int) -> PassTerms:
+        """The parts of one request's pass of s tokens over c cached tokens."""
+        return self.pass_terms_batch([s], [c])
+
+    def pass_terms_batch(self, s: TokenCounts, c: TokenCounts) -> PassTerms:
+        """The parts of one pass over a batch: GEMMs over Σ_i s_i tokens, attention summed per request.
+        s, c: [B] tokens verified and cached tokens per request."""
+        s_list, c_list = _as_requests(s, c)
+        tokens = sum(s_list)
+        pairs = list(zip(s_list, c_list, strict=True))
+        return PassTerms(
+            tokens=tokens,
+            gemm_seconds=self.gemm_seconds(tokens),
+            narrow_tokens=min(float(tokens), self.gemm_ridge_tokens()),
+            attention_compute_seconds=sum(self.attention_flops(s_i, c_i) for s_i, c_i in pairs)
+            / self.hw.peak_flops,
+            kv_seconds=sum(self.kv_bytes(s_i, c_i) for s_i, c_i in pairs) / self.hw.bandwidth,
+            attention_seconds=sum(self.attention_seconds(s_i, c_i) for s_i, c_i in pairs),
+        )
+
+    # Eqs. (8) and (9) for a single request (exact integer arithmetic, then one rounding to float).
 
     def flops(self, s: int, c: int) -> float:
         """Eq. (8): FLOPs of verifying s tokens over c cached tokens."""
@@ -324,9 +460,10 @@ class RooflineModel:
         return float(self._flops(s, c))
 
     def bytes(self, s: int, c: int) -> float:
-        """Eq. (9): bytes moved by verifying s tokens over c cached tokens."""
+        """Eq. (9): bytes moved by verifying s tokens over c cached tokens (score matrix included)."""
         s, c = _check_tokens(s, c)
-        return float(self.bytes_per_element * (self._weight_elements() + self._request_elements(s, c)))
+        elements = self._weight_elements() + self._request_elements(s, c) + self._score_elements(s, c)
+        return float(self.bytes_per_element * elements)
 
     def compute_seconds(self, s: int, c: int) -> float:
         """FLOPs / peak FLOP/s, seconds."""
@@ -352,7 +489,12 @@ class RooflineModel:
         """s: [M] int64 widths, c: cached tokens -> [M] float64 memory seconds on s's device."""
         _check_token_tensor(s)
         _, c = _check_tokens(1, c)
-        elements = self._weight_elements() + self._request_elements(s.to(torch.float64), float(c))
+        widths = s.to(torch.float64)
+        elements = (
+            self._weight_elements()
+            + self._request_elements(widths, float(c))
+            + self._score_elements(widths, float(c))
+        )
         return self.bytes_per_element * elements / self.hw.bandwidth
 
     def verify_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
@@ -367,9 +509,12 @@ class RooflineModel:
         return float(sum(self._flops(s_i, c_i) for s_i, c_i in zip(s_list, c_list, strict=True)))
 
     def bytes_batch(self, s: TokenCounts, c: TokenCounts) -> float:
-        """bp·[weights + Σ_i per-request traffic]. s, c: [B] per request."""
+        """bp·[weights + Σ_i per-request traffic, score matrix included]. s, c: [B] per request."""
         s_list, c_list = _as_requests(s, c)
-        traffic = sum(self._request_elements(s_i, c_i) for s_i, c_i in zip(s_list, c_list, strict=True))
+        traffic = sum(
+            self._request_elements(s_i, c_i) + self._score_elements(s_i, c_i)
+            for s_i, c_i in zip(s_list, c_list, strict=True)
+        )
         return float(self.bytes_per_element * (self._weight_elements() + traffic))
 
     def compute_seconds_batch(self, s: TokenCounts, c: TokenCounts) -> float:

@@ -1,8 +1,8 @@
 """Synthetic calibration profiles for the calibration tests: known latencies, no measurement.
 
-`synthetic_samples(fit)` gives the exact verify seconds a known calibrated roofline predicts for a Qwen3-8B
-shape on an H100 datasheet spec; `make_profile(**metadata_changes)` fits them through the calibrate CLI's
-own path (`calibration.fitting.build_profile`) with a metadata record that tests change field by field.
+`synthetic_samples(fit)` gives the exact verify and plain decode seconds a known latency fit predicts for a
+Qwen3-8B shape on an H100 datasheet spec; `make_profile(**metadata_changes)` fits them through the calibrate
+CLI's own path (`calibration.fitting.build_profile`) with a metadata record that tests change field by field.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from bastion_sglang.calibration.fitting import build_profile
 from bastion_sglang.calibration.identity import RuntimeIdentity
-from bastion_sglang.controller.latency import LatencyFit, LatencySample
+from bastion_sglang.controller.latency import DecodeFit, LatencyFit, LatencyModel, LatencySample
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileMetadata, StepCosts
 from bastion_sglang.controller.roofline import KNOWN_GPUS, ModelShape, RooflineModel
 
@@ -27,8 +27,15 @@ QWEN3_8B = ModelShape(
     vocab_size=151936,
 )
 H100 = KNOWN_GPUS["H100-SXM"]
-TRUE_FIT = LatencyFit(alpha_c=1.8, beta_c=2.5e-3, alpha_m=1.3, beta_m=1.2e-3)
-WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TRUE_FIT = LatencyFit(
+    beta_fixed=2.5e-3,
+    alpha_gemm=1.3,
+    alpha_tok=2e-6,
+    alpha_attn=1.8,
+    alpha_kv=4.0,
+    decode=DecodeFit(beta=1.5e-3, alpha_attn=1.4),
+)
+WIDTHS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXTS = (64, 512, 4096)
 COSTS = StepCosts(t_draft=2.0e-3, t_aux=4.0e-4, l_ar=1.8e-2)
 HASH = "a" * 64
@@ -60,14 +67,12 @@ IDENTITY = RuntimeIdentity(
 def synthetic_samples(
     fit: LatencyFit, widths: tuple[int, ...] = WIDTHS, contexts: tuple[int, ...] = CONTEXTS
 ) -> list[LatencySample]:
-    """Verify seconds exactly as `fit` on the Qwen3-8B / H100 roofline predicts them."""
-    roofline = RooflineModel(QWEN3_8B, H100, 2)
-    return [
-        LatencySample(
-            s=s, c=c, seconds=fit.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
-        )
-        for s, c in product(widths, contexts)
-    ]
+    """Verify seconds at every (width, context) and plain decode seconds at every context, exactly as `fit`
+    on the Qwen3-8B / H100 roofline predicts them."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, H100, 2), fit)
+    verify = [LatencySample(s=s, c=c, seconds=model.predict(s, c)) for s, c in product(widths, contexts)]
+    decode = [LatencySample(s=1, c=c, seconds=model.predict_plain(c), mode="decode") for c in contexts]
+    return verify + decode
 
 
 def make_profile(samples: list[LatencySample] | None = None, **metadata: Any) -> CalibrationProfile:

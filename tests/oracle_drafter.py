@@ -13,6 +13,11 @@ the reference token has probability ~e^g / (1 + e^g) per position. Best-first or
 the decoys with the reference path (e.g. ref1, decoy1, ref1·ref2, ...): the accepted path is not a
 prefix of the verify row, so a mask that let a node see a non-ancestor would change the target's logits.
 
+Wrong prompts (in the JSON: "wrong_prompts") get the boost on a token that is never the reference one
+(reference + 1 mod V): a confident drafter that is never accepted. Switching prompts ("switch_prompts",
+"switch_period" P) are boosted right while (tokens emitted // P) is even and wrong while it is odd, so a
+request moves between text the drafter predicts and text it cannot.
+
 With a record directory (in the JSON: "record_dir", "record_prompts"), each call first saves the drafter's
 own logits (before any boost) of the requests whose prompt is listed, as `load_records` reads them: what
 the drafter predicted from its KV at each step, to compare between Engines.
@@ -42,9 +47,15 @@ class OracleProposer:
         decoy_gap: float | None,
         record_dir: Path | None = None,
         record_prompts: frozenset[tuple[int, ...]] = frozenset(),
+        wrong_prompts: frozenset[tuple[int, ...]] = frozenset(),
+        switch_prompts: frozenset[tuple[int, ...]] = frozenset(),
+        switch_period: int = 64,
     ) -> None:
         self._references = references
         self._decoy_gap = decoy_gap
+        self._wrong = wrong_prompts
+        self._switch = switch_prompts
+        self._switch_period = switch_period
         self._record_dir = record_dir
         self._record_prompts = record_prompts
         self._calls = itertools.count()
@@ -56,13 +67,19 @@ class OracleProposer:
         boosted = draft_logits.clone()
         depth = draft_logits.shape[1]
         for b, req in enumerate(reqs):
-            reference = self._references.get(tuple(req.origin_input_ids))
+            prompt = tuple(req.origin_input_ids)
+            reference = self._references.get(prompt)
             if reference is None:
                 continue
             emitted = len(req.output_ids)  # the last emitted token is the root of this step's tree
             continuation = reference[emitted : emitted + depth]
+            wrong = prompt in self._wrong or (
+                prompt in self._switch and (emitted // self._switch_period) % 2 == 1
+            )
             if continuation:
                 index = torch.tensor(continuation, dtype=torch.int64, device=boosted.device)
+                if wrong:
+                    index = (index + 1) % boosted.shape[-1]
                 rows = torch.arange(len(continuation), device=boosted.device)
                 boosted[b, rows, index] += BOOST
                 if self._decoy_gap is not None:
@@ -88,6 +105,9 @@ def write_references(
     decoy_gap: float | None = None,
     record_dir: Path | None = None,
     record_prompts: Sequence[Sequence[int]] = (),
+    wrong_prompts: Sequence[Sequence[int]] = (),
+    switch_prompts: Sequence[Sequence[int]] = (),
+    switch_period: int = 64,
 ) -> Path:
     """Store a reference run (prompt ids and output ids, same order), the decoy gap and where to record the
     raw drafter logits of `record_prompts` (None: no recording) for `make_oracle`."""
@@ -97,6 +117,9 @@ def write_references(
         "decoy_gap": decoy_gap,
         "record_dir": None if record_dir is None else str(record_dir),
         "record_prompts": [list(p) for p in record_prompts],
+        "wrong_prompts": [list(p) for p in wrong_prompts],
+        "switch_prompts": [list(p) for p in switch_prompts],
+        "switch_period": switch_period,
     }
     path.write_text(json.dumps(data))
     return path
@@ -112,6 +135,9 @@ def make_oracle(path: str) -> OracleProposer:
         data["decoy_gap"],
         None if record_dir is None else Path(record_dir),
         frozenset(tuple(p) for p in data.get("record_prompts", [])),
+        frozenset(tuple(p) for p in data.get("wrong_prompts", [])),
+        frozenset(tuple(p) for p in data.get("switch_prompts", [])),
+        int(data.get("switch_period", 64)),
     )
 
 

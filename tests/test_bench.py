@@ -16,7 +16,25 @@ import pytest
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang import cli
-from bastion_sglang.bench import PLOT_NAME, REPORT_NAME, BenchReport, BenchRow, with_speedups
+from bastion_sglang.bench import (
+    EXPECTED_METRIC,
+    EXPECTED_RAW_METRIC,
+    LATENCY_ERROR_METRIC,
+    PLOT_NAME,
+    REALISED_METRIC,
+    REPORT_NAME,
+    STAGE_NAMES,
+    TREE_NODES_METRIC,
+    BenchPolicy,
+    BenchReport,
+    BenchRow,
+    EstimateSummary,
+    HistogramTotals,
+    Measured,
+    WorkerTotals,
+    make_row,
+    with_speedups,
+)
 
 MAX_BUDGET = 8
 BLOCK_SIZE = 16
@@ -88,6 +106,17 @@ def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
     assert chain.mean_accept_length >= 1.0
     assert chain.mean_budget == CHAIN_NODES
     assert chain.speedup == pytest.approx(chain.tokens_per_second / ar.tokens_per_second)
+    # the controller's estimate over the same steps; the worker counts what each step committed, which is
+    # at least what SGLang emitted (the length cap cuts the last step)
+    assert chain.realised_accept_length is not None
+    assert chain.realised_accept_length >= chain.mean_accept_length - 1e-9
+    assert chain.mean_expected_accept_length is not None and chain.mean_expected_accept_length >= 1.0
+    assert chain.mean_expected_accept_length_raw is not None
+    assert chain.accept_error == pytest.approx(
+        chain.mean_expected_accept_length / chain.realised_accept_length - 1.0
+    )
+    assert chain.stage_ms is not None and chain.stage_ms.verify > 0 and chain.stage_ms.draft > 0
+    assert ar.mean_expected_accept_length is None and ar.stage_ms is None and ar.latency_mape is None
 
 
 @pytest.mark.slow
@@ -189,3 +218,35 @@ def _row(policy: str, temperature: float, tokens_per_second: float) -> BenchRow:
 def test_speedups_compare_with_ar_at_the_same_temperature() -> None:
     rows = with_speedups([_row("ar", 0.0, 10), _row("chain", 0.0, 25), _row("chain", 0.7, 30)])
     assert [row.speedup for row in rows] == [1.0, 2.5, None]  # no ar row at T = 0.7
+
+
+def _totals(sums: dict[str, tuple[float, float]], stages: dict[str, tuple[float, float]]) -> WorkerTotals:
+    names = (TREE_NODES_METRIC, EXPECTED_METRIC, EXPECTED_RAW_METRIC, REALISED_METRIC, LATENCY_ERROR_METRIC)
+    return WorkerTotals(
+        metrics={name: HistogramTotals(*sums.get(name, (0.0, 0.0))) for name in names},
+        stages={name: HistogramTotals(*stages.get(name, (0.0, 0.0))) for name in STAGE_NAMES},
+    )
+
+
+def test_estimate_summary_and_row_from_histogram_growth() -> None:
+    before = _totals({EXPECTED_METRIC: (10.0, 5.0), REALISED_METRIC: (9.0, 5.0)}, {"verify": (1.0, 5.0)})
+    after = _totals(
+        {
+            TREE_NODES_METRIC: (40.0, 10.0),
+            EXPECTED_METRIC: (32.0, 15.0),  # 22 over 10 request-steps
+            EXPECTED_RAW_METRIC: (30.0, 10.0),
+            REALISED_METRIC: (29.0, 15.0),  # 20 over 10
+            LATENCY_ERROR_METRIC: (0.5, 5.0),
+        },
+        {"verify": (1.5, 10.0), "draft": (0.1, 5.0), "other": (0.02, 4.0)},
+    )
+    estimate = EstimateSummary.between(before, after)
+    assert estimate.mean_budget == 4.0 and estimate.expected == pytest.approx(2.2)
+    assert estimate.realised == pytest.approx(2.0) and estimate.latency_mape == pytest.approx(0.1)
+    assert estimate.stage_ms is not None
+    assert estimate.stage_ms.verify == pytest.approx(100.0) and estimate.stage_ms.other == pytest.approx(5.0)
+    assert estimate.stage_ms.plan == 0.0  # no samples: nothing measured
+    row = make_row(BenchPolicy("adaptive", "bastion"), 0.0, Measured(2, 40, 20, 2.0, estimate))
+    assert row.accept_error == pytest.approx(0.1) and row.accept_error_raw == pytest.approx(0.5)
+    plain = make_row(BenchPolicy("ar", "ar"), 0.0, Measured(2, 40, None, 2.0, None))
+    assert plain.accept_error is None and plain.mean_budget is None

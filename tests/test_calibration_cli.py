@@ -2,7 +2,8 @@
 it wrote.
 
 The reference-engine run is the CI check: a random fp32 Qwen3 target and DFlash drafter
-(tests/tiny_models.py), widths 1..16 × contexts 64, 128, two timed runs per point, one intra-op thread (the
+(tests/tiny_models.py), widths 2..16 × contexts 64, 128 and a plain decode step per context, two timed runs
+per point, one intra-op thread (the
 CI box is shared: two threads contending for two busy cores turn millisecond passes into second-long
 stalls). The SGLang-engine run starts SGLang's model runner on the CPU in a child process (SGLang's runtime
 context is process-global) and is marked slow.
@@ -106,16 +107,24 @@ def test_profile_records_the_deployment(calibrated: Calibrated) -> None:
 
 def test_profile_holds_the_whole_grid_and_step_costs(calibrated: Calibrated) -> None:
     _, profile = only_profile(calibrated.store)
-    points = {(sample.s, sample.c) for sample in profile.samples}
+    verify = [sample for sample in profile.samples if sample.mode == "verify"]
+    decode = [sample for sample in profile.samples if sample.mode == "decode"]
+    points = {(sample.s, sample.c) for sample in verify}
     assert points == set(itertools.product(width_grid(16), context_grid(128)))
-    assert len(profile.samples) == len(points)
+    assert len(verify) == len(points)
+    assert sorted((sample.s, sample.c) for sample in decode) == [(1, c) for c in context_grid(128)]
     assert all(sample.seconds > 0 and sample.batch == 1 for sample in profile.samples)
     costs = profile.step_costs
-    assert costs.t_draft > 0 and costs.t_aux > 0 and costs.l_ar > 0
+    assert costs.t_draft > 0 and costs.t_aux + costs.t_aux_per_token > 0 and costs.l_ar > 0
     assert profile.max_context == 128 and profile.width_buckets is None
     assert profile.model_shape.num_layers == 4 and profile.model_shape.vocab_size == 512
-    assert profile.report.num_samples == len(points)
+    assert profile.report.num_samples == len(points) and profile.report.num_decode_samples == len(decode)
     assert profile.report.rmse_fit < profile.report.rmse_raw
+    assert profile.fit.decode is not None
+    held = profile.leave_out
+    assert held is not None and [fold.held_out for fold in held.widths] == list(width_grid(16))
+    assert [fold.held_out for fold in held.contexts] == list(context_grid(128))
+    assert held.mape_widths is not None and held.mape_contexts is not None
 
 
 def test_plot_is_a_real_png_next_to_the_profile(calibrated: Calibrated) -> None:
@@ -136,6 +145,8 @@ def test_calibrate_prints_peaks_errors_and_the_path(calibrated: Calibrated) -> N
     assert "measured: matmul" in text and "copy bandwidth" in text
     assert f"no KNOWN_GPUS entry for '{device_name(CPU)}'" in text
     assert "raw roofline RMSE" in text and "calibrated RMSE" in text
+    assert "widths left out MAPE" in text and "contexts left out MAPE" in text
+    assert "verify, one width left out: MAPE" in text and "verify, one context left out: MAPE" in text
     assert f"profile    {path}" in text
 
 
@@ -168,8 +179,11 @@ def test_profile_list_and_show(calibrated: Calibrated, capsys: pytest.CaptureFix
     shown = capsys.readouterr().out
     fit = profile.fit
     assert f"profile    {path}" in shown
-    assert f"T = max({fit.alpha_c:.4g}·T_comp" in shown
-    assert "T_draft" in shown and "L_AR" in shown and "widths 1..16 (8), contexts 64..128 (2)" in shown
+    assert f"T = {fit.beta_fixed * 1e3:.3f} ms + {fit.alpha_gemm:.4g}·G + " in shown
+    assert f"{fit.alpha_attn:.4g}·ΣF + {fit.alpha_kv:.4g}·ΣK" in shown
+    assert fit.decode is not None and f"L_AR = {fit.decode.beta * 1e3:.3f} ms" in shown
+    assert "held out   widths left out MAPE" in shown
+    assert "T_draft" in shown and "L_AR" in shown and "widths 2..16 (7), contexts 64..128 (2)" in shown
 
     auto = ["profile", "show", "auto", "--model-path", str(calibrated.target), "--device", "cpu"]
     auto += ["--store", str(calibrated.store.root), "--attention-backend"]
@@ -240,7 +254,8 @@ def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path
     profile = load_profile(out)
     assert (profile.metadata.engine, profile.metadata.attention_backend) == ("sglang", "torch_native")
     assert profile.metadata.sglang_version == "0.5.23"
-    assert {sample.s for sample in profile.samples} == set(width_grid(8))
+    assert {sample.s for sample in profile.samples if sample.mode == "verify"} == set(width_grid(8))
+    assert {sample.c for sample in profile.samples if sample.mode == "decode"} == set(context_grid(128))
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
 
 

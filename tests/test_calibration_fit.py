@@ -9,63 +9,71 @@ import torch
 from calibration_profiles import CONTEXTS, H100, QWEN3_8B, TRUE_FIT, WIDTHS, make_profile, synthetic_samples
 
 from bastion_sglang.calibration.microbench import MeasuredPeaks, datasheet_comparison, measure_peaks
-from bastion_sglang.calibration.sweep import SweepSettings, check_widths, context_grid, width_grid
+from bastion_sglang.calibration.sweep import SweepSettings, aux_line, check_widths, context_grid, width_grid
 from bastion_sglang.calibration.timing import time_op
-from bastion_sglang.controller.latency import LatencyFit, LatencySample
+from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.roofline import RooflineModel
 
 CPU = torch.device("cpu")
 
 
-def test_fit_recovers_known_alpha_beta_exactly() -> None:
+COEFFICIENTS = ("beta_fixed", "alpha_gemm", "alpha_tok", "alpha_attn", "alpha_kv")
+
+
+def test_fit_recovers_known_coefficients_exactly() -> None:
     profile = make_profile()
     fit = profile.fit
-    for name in ("alpha_c", "beta_c", "alpha_m", "beta_m"):
+    for name in COEFFICIENTS:
         assert getattr(fit, name) == pytest.approx(getattr(TRUE_FIT, name), rel=1e-6), name
+    assert fit.decode is not None and TRUE_FIT.decode is not None
+    assert fit.decode.beta == pytest.approx(TRUE_FIT.decode.beta, rel=1e-6)
+    assert fit.decode.alpha_attn == pytest.approx(TRUE_FIT.decode.alpha_attn, rel=1e-6)
     assert profile.report.rmse_fit < 1e-9
-    assert profile.report.rmse_raw > 1e-3  # the bare roofline misses α and β by milliseconds
+    assert profile.report.rmse_raw > 1e-3  # the bare roofline misses the fixed cost by milliseconds
     assert profile.report.num_samples == len(WIDTHS) * len(CONTEXTS)
+    assert profile.report.num_decode_samples == len(CONTEXTS)
 
 
-def test_both_roofline_branches_are_exercised_by_the_synthetic_grid() -> None:
-    roofline = RooflineModel(QWEN3_8B, H100, 2)
-    compute_bound = {
-        TRUE_FIT.alpha_c * roofline.compute_seconds(s, c) + TRUE_FIT.beta_c
-        > TRUE_FIT.alpha_m * roofline.memory_seconds(s, c) + TRUE_FIT.beta_m
-        for s in WIDTHS
-        for c in CONTEXTS
-    }
-    assert compute_bound == {True, False}
+def test_profile_holds_the_leave_out_validation() -> None:
+    held = make_profile().leave_out
+    assert held is not None
+    assert [fold.held_out for fold in held.widths] == list(WIDTHS)
+    assert [fold.held_out for fold in held.contexts] == list(CONTEXTS)
+    assert held.mape_widths is not None and held.mape_widths < 1e-9
+    assert held.mape_contexts is not None and held.mape_contexts < 1e-9
+    assert held.mape_decode_contexts is not None and held.mape_decode_contexts < 1e-9
 
 
-def test_fit_recovers_alpha_beta_under_measurement_noise() -> None:
+def test_fit_recovers_coefficients_under_measurement_noise() -> None:
     generator = torch.Generator().manual_seed(0)
     noisy = [
-        LatencySample(
-            s=x.s, c=x.c, seconds=x.seconds * (1 + 0.01 * float(torch.randn((), generator=generator)))
-        )
+        x.model_copy(update={"seconds": x.seconds * (1 + 0.01 * float(torch.randn((), generator=generator)))})
         for x in synthetic_samples(TRUE_FIT)
     ]
     profile = make_profile(noisy)
-    assert profile.fit.alpha_c == pytest.approx(TRUE_FIT.alpha_c, rel=0.05)
-    assert profile.fit.alpha_m == pytest.approx(TRUE_FIT.alpha_m, rel=0.05)
+    assert profile.fit.alpha_gemm == pytest.approx(TRUE_FIT.alpha_gemm, rel=0.05)
+    assert profile.fit.beta_fixed == pytest.approx(TRUE_FIT.beta_fixed, rel=0.05)
     assert profile.report.mape_fit < 0.02 < profile.report.mape_raw
+    assert profile.leave_out is not None and profile.leave_out.mape_widths is not None
+    assert profile.leave_out.mape_widths < 0.03
 
 
 def test_fitted_profile_predicts_the_true_latency_off_grid() -> None:
     model = make_profile().latency_model()
-    roofline = RooflineModel(QWEN3_8B, H100, 2)
+    truth = LatencyModel(RooflineModel(QWEN3_8B, H100, 2), TRUE_FIT)
     for s, c in ((3, 100), (300, 2000), (777, 7000)):
-        truth = TRUE_FIT.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
-        assert model.predict(s, c) == pytest.approx(truth, rel=1e-6)
+        assert model.predict(s, c) == pytest.approx(truth.predict(s, c), rel=1e-6)
+    for c in (0, 100, 3000):
+        assert model.predict_plain(c) == pytest.approx(truth.predict_plain(c), rel=1e-6)
 
 
 def test_width_grid_holds_powers_of_two_midpoints_and_the_cap() -> None:
-    assert width_grid(16) == (1, 2, 3, 4, 6, 8, 12, 16)
-    assert width_grid(65) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65)
+    assert width_grid(2) == (2,)
+    assert width_grid(16) == (2, 3, 4, 6, 8, 12, 16)
+    assert width_grid(65) == (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65)
     grid = width_grid(1025)
-    assert grid[0] == 1 and grid[-1] == 1025
-    assert {2**i for i in range(11)} <= set(grid) and {3 * 2**i for i in range(9)} <= set(grid)
+    assert grid[0] == 2 and grid[-1] == 1025  # width 1 is plain decoding, measured on its own
+    assert {2**i for i in range(1, 11)} <= set(grid) and {3 * 2**i for i in range(9)} <= set(grid)
     assert list(grid) == sorted(set(grid))
 
 
@@ -83,14 +91,27 @@ def test_context_grid_is_powers_of_two_from_64_and_the_max() -> None:
         context_grid(63)
 
 
-@pytest.mark.parametrize("widths", [[4], [4, 2], [2, 2, 4], [0, 4]])
-def test_explicit_widths_must_be_sorted_unique_and_positive(widths: list[int]) -> None:
+@pytest.mark.parametrize("widths", [[4], [4, 2], [2, 2, 4], [0, 4], [1, 2, 4]])
+def test_explicit_widths_must_be_sorted_unique_and_at_least_two(widths: list[int]) -> None:
     with pytest.raises(ValueError, match="--widths"):
         check_widths(widths)
+    assert check_widths([2, 3, 64]) == (2, 3, 64)
+
+
+def test_aux_line_is_a_non_negative_line() -> None:
+    assert aux_line([2, 64], [1e-3, 1e-3 + 62 * 5e-6]) == pytest.approx((1e-3 - 2 * 5e-6, 5e-6), rel=1e-9)
+    # noise making the wide step faster: slope 0 at the mean, never a negative per-token cost
+    intercept, slope = aux_line([2, 16, 64], [1.2e-3, 1.0e-3, 1.1e-3])
+    assert slope == 0.0 and intercept == pytest.approx(1.1e-3, rel=1e-9)
+    # a line through zero at s = 0 would need a negative intercept: intercept 0 instead
+    intercept, slope = aux_line([10, 20], [1e-3, 3e-3])
+    assert intercept == 0.0 and slope > 0
+    with pytest.raises(ValueError, match="one time per width"):
+        aux_line([2, 4], [1e-3])
 
 
 def test_sweep_settings_name_their_budget_and_middle_context() -> None:
-    settings = SweepSettings(widths=(1, 2, 4, 9), contexts=(64, 128, 256, 512))
+    settings = SweepSettings(widths=(2, 4, 9), contexts=(64, 128, 256, 512))
     assert settings.budget == 8
     assert settings.mid_context == 256
 
@@ -133,8 +154,10 @@ def test_gpu_peaks_are_compared_with_the_datasheet() -> None:
     assert "matmul 80%, bandwidth 90%" in text
 
 
-def test_identity_fit_is_what_the_bare_roofline_scores() -> None:
-    samples = synthetic_samples(LatencyFit.identity())
-    profile = make_profile(samples)
-    assert profile.report.rmse_raw < 1e-12
-    assert profile.report.rmse_fit < 1e-9
+def test_identity_fit_is_recovered_from_the_bare_roofline_parts() -> None:
+    """Samples of the identity fit (the roofline's parts added, no score matrix, no fixed cost): recovered
+    exactly; eqs. (8) and (9), a max over whole-pass totals with the score matrix, miss them."""
+    profile = make_profile(synthetic_samples(LatencyFit.identity()))
+    for name, value in zip(COEFFICIENTS, (0.0, 1.0, 0.0, 1.0, 1.0), strict=True):
+        assert getattr(profile.fit, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    assert profile.report.rmse_fit < 1e-12 < profile.report.rmse_raw

@@ -142,7 +142,7 @@ def test_explicit_matching_path_has_no_warning(store: ProfileStore) -> None:
 
 
 def _corrupt(path: Path) -> None:
-    path.write_text('{"schema_version": 1, "metadata": {', encoding="utf-8")
+    path.write_text('{"schema_version": 2, "metadata": {', encoding="utf-8")
 
 
 def _truncated(path: Path) -> None:
@@ -151,8 +151,9 @@ def _truncated(path: Path) -> None:
 
 
 def _wrong_version(path: Path) -> None:
+    """A profile of the previous layout (schema 1, the max-of-two-affine fit)."""
     data = json.loads(path.read_text(encoding="utf-8"))
-    data["schema_version"] = 2
+    data["schema_version"] = 1
     path.write_text(json.dumps(data), encoding="utf-8")
 
 
@@ -165,7 +166,7 @@ def _bad_field(path: Path) -> None:
 BREAKERS: dict[str, tuple[Callable[[Path], None], str]] = {
     "corrupt": (_corrupt, "corrupt JSON"),
     "truncated": (_truncated, "corrupt JSON"),
-    "wrong-version": (_wrong_version, "schema_version found 2, supported 1"),
+    "wrong-version": (_wrong_version, "schema_version found 1, supported 2; re-run `bastion calibrate`"),
     "bad-field": (_bad_field, "samples.0.seconds"),
 }
 

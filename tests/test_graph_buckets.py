@@ -43,7 +43,7 @@ COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
 
 
 def latency_model(widths: tuple[int, ...] | None) -> LatencyModel:
-    fit = LatencyFit(alpha_c=1.4, beta_c=4e-3, alpha_m=1.1, beta_m=3e-3)
+    fit = LatencyFit(beta_fixed=4e-3, alpha_gemm=1.4, alpha_tok=2e-6, alpha_attn=1.1, alpha_kv=1.5)
     return LatencyModel(RooflineModel(QWEN3_8B, H100), fit=fit, width_buckets=widths)
 
 

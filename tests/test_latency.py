@@ -1,4 +1,5 @@
-"""Calibrated latency: max-of-two-affine fit, fit report, width buckets, EMA residual, validation."""
+"""Calibrated latency: the additive model, its NNLS fit on relative error, leave-out validation, plain decode,
+width buckets, the online affine correction, validation."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import torch
 from pydantic import ValidationError
 
 from bastion_sglang.controller.latency import (
+    CORRECTION_FLOOR,
+    SCALE_BOUNDS,
+    DecodeFit,
     LatencyFit,
     LatencyModel,
     LatencySample,
+    OnlineCorrection,
     evaluate_fit,
     fit_latency,
+    validate_leave_out,
 )
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
 
@@ -28,9 +34,17 @@ QWEN3_8B = ModelShape(
     vocab_size=151936,
 )
 GPU = HardwareSpec(name="test-gpu", peak_flops=989.4e12, bandwidth=3.35e12)
-TRUE_FIT = LatencyFit(alpha_c=1.6, beta_c=0.002, alpha_m=1.15, beta_m=0.0008)
-WIDTHS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+TRUE_FIT = LatencyFit(
+    beta_fixed=4e-3,
+    alpha_gemm=1.35,
+    alpha_tok=3e-6,
+    alpha_attn=2.1,
+    alpha_kv=6.0,
+    decode=DecodeFit(beta=2.5e-3, alpha_attn=1.6),
+)
+WIDTHS = [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 CONTEXTS = [64, 256, 1024, 4096, 8192]
+COEFFICIENTS = ("beta_fixed", "alpha_gemm", "alpha_tok", "alpha_attn", "alpha_kv")
 
 
 @pytest.fixture
@@ -39,169 +53,258 @@ def roofline() -> RooflineModel:
 
 
 def synthetic(
-    roofline: RooflineModel, fit: LatencyFit, noise: float = 0.0, batch: int = 1, seed: int = 0
+    roofline: RooflineModel,
+    fit: LatencyFit,
+    noise: float = 0.0,
+    batch: int = 1,
+    seed: int = 0,
+    widths: list[int] = WIDTHS,
+    contexts: list[int] = CONTEXTS,
 ) -> list[LatencySample]:
-    """Samples on the WIDTHS x CONTEXTS grid from `fit`, times (1 + noise·N(0, 1))."""
+    """Verify samples on the widths × contexts grid and decode samples at every context, from `fit`,
+    times (1 + noise·N(0, 1))."""
     rng = np.random.default_rng(seed)
+    model = LatencyModel(roofline, fit)
     samples = []
-    for s in WIDTHS:
-        for c in CONTEXTS:
-            compute = roofline.compute_seconds_batch([s] * batch, [c] * batch)
-            memory = roofline.memory_seconds_batch([s] * batch, [c] * batch)
-            seconds = fit.apply(compute, memory) * (1.0 + noise * rng.standard_normal())
+    for c in contexts:
+        for s in widths:
+            seconds = model.predict_batch([s] * batch, [c] * batch) * (1.0 + noise * rng.standard_normal())
             samples.append(LatencySample(s=s, c=c, seconds=seconds, batch=batch))
+        seconds = model.predict_plain_batch([c] * batch) * (1.0 + noise * rng.standard_normal())
+        samples.append(LatencySample(s=1, c=c, seconds=seconds, batch=batch, mode="decode"))
     return samples
 
 
-def branch_counts(roofline: RooflineModel, fit: LatencyFit) -> tuple[int, int]:
-    on_compute = sum(
-        fit.alpha_c * roofline.compute_seconds(s, c) + fit.beta_c
-        > fit.alpha_m * roofline.memory_seconds(s, c) + fit.beta_m
+def by_hand(roofline: RooflineModel, fit: LatencyFit, s: int, c: int) -> float:
+    """The module docstring's formula for one request, written out."""
+    hw = roofline.hw
+    gemm = max(roofline.gemm_flops(s) / hw.peak_flops, roofline.weight_bytes() / hw.bandwidth)
+    ridge = roofline.weight_bytes() / hw.bandwidth / (roofline.gemm_flops(1) / hw.peak_flops)
+    attention = roofline.attention_flops(s, c) / hw.peak_flops
+    kv = 2 * 36 * 2 * 1024 * (c + 2 * s) / hw.bandwidth  # bp·L·2h_kv·(c+2s) / bandwidth
+    return (
+        fit.beta_fixed
+        + fit.alpha_gemm * gemm
+        + fit.alpha_tok * min(s, ridge)
+        + fit.alpha_attn * attention
+        + fit.alpha_kv * kv
+    )
+
+
+def test_prediction_is_the_documented_formula(roofline: RooflineModel) -> None:
+    model = LatencyModel(roofline, TRUE_FIT)
+    for s, c in ((2, 0), (40, 512), (700, 8000)):
+        assert model.predict(s, c) == pytest.approx(by_hand(roofline, TRUE_FIT, s, c), rel=1e-12)
+    # the synthetic grid crosses the GEMM ridge, so the columns 1, G and min(T, T*) are independent
+    assert WIDTHS[0] < roofline.gemm_ridge_tokens() < WIDTHS[-1]
+    gemm_bound = {
+        roofline.gemm_flops(s) / GPU.peak_flops > roofline.weight_bytes() / GPU.bandwidth for s in WIDTHS
+    }
+    attention_bound = {
+        roofline.attention_flops(s, c) / GPU.peak_flops > roofline.request_bytes(s, c) / GPU.bandwidth
         for s in WIDTHS
         for c in CONTEXTS
-    )
-    return on_compute, len(WIDTHS) * len(CONTEXTS) - on_compute
-
-
-def test_synthetic_grid_uses_both_branches(roofline: RooflineModel) -> None:
-    on_compute, on_memory = branch_counts(roofline, TRUE_FIT)
-    assert on_compute >= 10 and on_memory >= 10
-
-
-def test_fit_recovers_exact_parameters(roofline: RooflineModel) -> None:
-    fit = fit_latency(roofline, synthetic(roofline, TRUE_FIT))
-    assert fit.alpha_c == pytest.approx(TRUE_FIT.alpha_c, rel=1e-6)
-    assert fit.beta_c == pytest.approx(TRUE_FIT.beta_c, rel=1e-6)
-    assert fit.alpha_m == pytest.approx(TRUE_FIT.alpha_m, rel=1e-6)
-    assert fit.beta_m == pytest.approx(TRUE_FIT.beta_m, rel=1e-6)
+    }
+    assert gemm_bound == attention_bound == {True, False}
 
 
 @pytest.mark.parametrize(
     "truth",
     [
-        LatencyFit(alpha_c=1.4, beta_c=-0.001, alpha_m=1.1, beta_m=0.002),
-        LatencyFit(alpha_c=2.5, beta_c=0.004, alpha_m=1.02, beta_m=0.0001),
+        TRUE_FIT,
+        LatencyFit(beta_fixed=1e-3, alpha_gemm=1.05, alpha_tok=0.0, alpha_attn=4.0, alpha_kv=1.0),
+        LatencyFit(beta_fixed=0.0, alpha_gemm=2.5, alpha_tok=1e-5, alpha_attn=0.0, alpha_kv=12.0),
     ],
 )
-def test_fit_recovers_other_parameters(roofline: RooflineModel, truth: LatencyFit) -> None:
-    on_compute, on_memory = branch_counts(roofline, truth)
-    assert on_compute >= 5 and on_memory >= 5
-    fit = fit_latency(roofline, synthetic(roofline, truth))
-    for name in ("alpha_c", "beta_c", "alpha_m", "beta_m"):
-        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
-
-
-KV_HEAVY = ModelShape(
-    num_layers=4, hidden_size=64, num_q_heads=8, num_kv_heads=8, head_dim=128, ffn_size=128, vocab_size=128
-)
-"""Weights of 2.4 MB and 16 KB of KV per cached token: T_mem grows by 44 % between c = 0 and c = 64."""
-
-
-def test_memory_intercept_stays_nonnegative_so_the_fit_is_positive_at_the_origin() -> None:
-    """A memory branch whose least-squares intercept is negative (noisy CPU timings over c = 64, 128) would
-    predict a negative latency at s = 1, c = 0, which LatencyModel rejects; the fit clamps β_m at 0."""
-    roofline = RooflineModel(KV_HEAVY, GPU)
-    at_origin = roofline.memory_seconds(1, 0)
-    at_grid = roofline.memory_seconds(1, 64)
-    assert at_grid > 1.3 * at_origin
-    truth = LatencyFit(alpha_c=1.0, beta_c=-1.0, alpha_m=1.0, beta_m=-0.9 * at_grid)
-    samples = [
-        LatencySample(
-            s=s, c=c, seconds=truth.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
-        )
-        for s in (1, 2, 4, 8, 16)
-        for c in (64, 128)
-    ]
-    assert all(sample.seconds > 0 for sample in samples)
-    with pytest.raises(ValueError, match="must be positive"):
-        LatencyModel(roofline, truth)
+def test_fit_recovers_known_coefficients(roofline: RooflineModel, truth: LatencyFit) -> None:
+    """Noise-free samples of the model's form: every coefficient back to 1e-6 relative (1e-12 s absolute
+    for a true zero), and the fit's error ~0."""
+    samples = synthetic(roofline, truth)
     fit = fit_latency(roofline, samples)
-    assert fit.beta_m == 0.0
-    assert fit.alpha_m > 0
-    assert LatencyModel(roofline, fit).predict(1, 0) > 0
+    for name in COEFFICIENTS:
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+    if truth.decode is not None:
+        assert fit.decode is not None
+        assert fit.decode.beta == pytest.approx(truth.decode.beta, rel=1e-6)
+        assert fit.decode.alpha_attn == pytest.approx(truth.decode.alpha_attn, rel=1e-6)
+    report = evaluate_fit(roofline, fit, samples)
+    assert report.mape_fit < 1e-9 and report.rmse_fit < 1e-12
+    assert report.mape_raw > 0.1  # the bare roofline is far off
+    assert report.num_samples == len(WIDTHS) * len(CONTEXTS) and report.num_decode_samples == len(CONTEXTS)
+    assert report.mape_decode_fit is not None and report.mape_decode_fit < 1e-9
+
+
+def test_fit_uses_the_batch_form(roofline: RooflineModel) -> None:
+    """Batches of 4: GEMMs over 4·s tokens, attention summed over the 4 requests."""
+    samples = synthetic(roofline, TRUE_FIT, batch=4)
+    fit = fit_latency(roofline, samples)
+    for name in COEFFICIENTS:
+        assert getattr(fit, name) == pytest.approx(getattr(TRUE_FIT, name), rel=1e-6), name
+    assert fit.decode is not None and TRUE_FIT.decode is not None
+    assert fit.decode.beta == pytest.approx(TRUE_FIT.decode.beta, rel=1e-6)
+    assert fit.decode.alpha_attn == pytest.approx(TRUE_FIT.decode.alpha_attn, rel=1e-6)
 
 
 def test_fit_with_two_percent_noise_is_close(roofline: RooflineModel) -> None:
     samples = synthetic(roofline, TRUE_FIT, noise=0.02, seed=7)
     fit = fit_latency(roofline, samples)
-    assert fit.alpha_c == pytest.approx(TRUE_FIT.alpha_c, rel=0.05)
-    assert fit.alpha_m == pytest.approx(TRUE_FIT.alpha_m, rel=0.05)
-    assert fit.beta_c == pytest.approx(TRUE_FIT.beta_c, abs=5e-4)
-    assert fit.beta_m == pytest.approx(TRUE_FIT.beta_m, abs=5e-4)
+    assert fit.beta_fixed == pytest.approx(TRUE_FIT.beta_fixed, rel=0.1)
+    assert fit.alpha_gemm == pytest.approx(TRUE_FIT.alpha_gemm, rel=0.1)
+    assert fit.alpha_attn == pytest.approx(TRUE_FIT.alpha_attn, rel=0.1)
     clean = synthetic(roofline, TRUE_FIT)
     assert evaluate_fit(roofline, fit, clean).mape_fit < 0.01
     assert evaluate_fit(roofline, fit, samples).mape_fit < 0.025
 
 
-def test_fit_uses_the_batch_roofline(roofline: RooflineModel) -> None:
-    fit = fit_latency(roofline, synthetic(roofline, TRUE_FIT, batch=4))
-    assert fit.alpha_c == pytest.approx(TRUE_FIT.alpha_c, rel=1e-6)
-    assert fit.beta_m == pytest.approx(TRUE_FIT.beta_m, rel=1e-6)
-
-
-def test_fit_with_one_active_branch_keeps_alphas_positive(roofline: RooflineModel) -> None:
-    memory_only = [
-        LatencySample(s=s, c=c, seconds=1.2 * roofline.memory_seconds(s, c) + 0.001)
-        for s in (1, 2, 4)
-        for c in (64, 1024)
+def test_nnls_coefficients_are_never_negative(roofline: RooflineModel) -> None:
+    """Latency that falls with the context: unconstrained least squares answers with negative context
+    weights; the fit clamps them at 0 and still predicts a positive latency everywhere."""
+    rng = np.random.default_rng(3)
+    samples = [
+        LatencySample(s=s, c=c, seconds=0.02 + 2e-5 * s - 1.5e-7 * c + 1e-4 * rng.standard_normal())
+        for s in WIDTHS
+        for c in CONTEXTS
     ]
-    fit = fit_latency(roofline, memory_only)
-    assert fit.alpha_c > 0 and fit.alpha_m == pytest.approx(1.2, rel=1e-6)
-    assert evaluate_fit(roofline, fit, memory_only).rmse_fit < 1e-9
-
-
-def test_fit_degenerate_branch_uses_ratio_median(roofline: RooflineModel) -> None:
-    # One distinct width and context: the memory branch cannot fit a slope, so α = median ratio.
-    base = roofline.memory_seconds(1, 64)
-    samples = [LatencySample(s=1, c=64, seconds=base * ratio) for ratio in (1.1, 1.3, 1.2)]
-    fit = fit_latency(roofline, samples)
-    prediction = max(
-        fit.alpha_c * roofline.compute_seconds(1, 64) + fit.beta_c, fit.alpha_m * base + fit.beta_m
+    observed = np.array([x.seconds for x in samples])
+    design = np.array(
+        [
+            (1.0, t.gemm_seconds, t.narrow_tokens, t.attention_compute_seconds, t.kv_seconds)
+            for t in (roofline.pass_terms(x.s, x.c) for x in samples)
+        ]
     )
-    assert prediction == pytest.approx(1.2 * base, rel=1e-9)
-    assert fit.alpha_m == pytest.approx(1.2, rel=1e-9) and fit.alpha_c > 0
+    free, *_ = np.linalg.lstsq(design / observed[:, None], np.ones(len(samples)), rcond=None)
+    assert free.min() < 0
+    fit = fit_latency(roofline, samples)
+    assert all(getattr(fit, name) >= 0 for name in COEFFICIENTS)
+    assert fit.alpha_attn == fit.alpha_kv == 0.0
+    model = LatencyModel(roofline, fit)
+    assert model.predict(2, 0) > 0 and model.predict_plain(0) > 0
 
 
-def test_fit_needs_two_samples(roofline: RooflineModel) -> None:
-    with pytest.raises(ValueError, match="at least 2"):
-        fit_latency(roofline, [LatencySample(s=1, c=0, seconds=0.01)])
-    with pytest.raises(ValueError, match="at least 1"):
-        evaluate_fit(roofline, TRUE_FIT, [])
+def test_relative_error_fit_beats_absolute_error_fit_on_mape() -> None:
+    """A grid spanning 1 ms .. 1 s whose latency has a term the model lacks (s^1.5): least squares on
+    absolute error spends its freedom on the slow passes and misses the fast ones by far more."""
+    shape = ModelShape(
+        num_layers=16,
+        hidden_size=2048,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_size=8192,
+        vocab_size=32000,
+    )
+    roofline = RooflineModel(shape, HardwareSpec(name="slow", peak_flops=2e13, bandwidth=2e12))
+    truth = LatencyFit(beta_fixed=2e-4, alpha_gemm=1.2, alpha_tok=0.0, alpha_attn=1.5, alpha_kv=2.0)
+    model = LatencyModel(roofline, truth)
+    widths, contexts = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048], [64, 1024, 8192, 32768]
+    samples = [
+        LatencySample(s=s, c=c, seconds=model.predict(s, c) + 2e-6 * s**1.5) for s in widths for c in contexts
+    ]
+    seconds = [x.seconds for x in samples]
+    assert min(seconds) < 2e-3 and max(seconds) > 0.5
+    relative = evaluate_fit(roofline, fit_latency(roofline, samples), samples)
+    absolute = evaluate_fit(roofline, fit_latency(roofline, samples, relative=False), samples)
+    assert relative.mape_fit < 0.5 * absolute.mape_fit
+    assert absolute.rmse_fit < relative.rmse_fit  # what each one minimises
+
+
+def test_leave_out_validation_passes_on_the_models_form(roofline: RooflineModel) -> None:
+    exact = validate_leave_out(roofline, synthetic(roofline, TRUE_FIT))
+    assert [fold.held_out for fold in exact.widths] == WIDTHS
+    assert [fold.held_out for fold in exact.contexts] == CONTEXTS
+    assert [fold.held_out for fold in exact.decode_contexts] == CONTEXTS
+    assert all(fold.num_samples == len(CONTEXTS) for fold in exact.widths)
+    assert exact.mape_widths is not None and exact.mape_widths < 1e-9
+    assert exact.mape_contexts is not None and exact.mape_contexts < 1e-9
+    assert exact.mape_decode_contexts is not None and exact.mape_decode_contexts < 1e-9
+    noisy = validate_leave_out(roofline, synthetic(roofline, TRUE_FIT, noise=0.01, seed=1))
+    assert noisy.mape_widths is not None and noisy.mape_widths < 0.02
+    assert noisy.mape_contexts is not None and noisy.mape_contexts < 0.02
+
+
+def test_leave_out_validation_fails_on_a_form_the_model_cannot_represent(roofline: RooflineModel) -> None:
+    """Latency with an s² term and no context dependence: the fit bends its attention and token terms to
+    follow it in sample, but left-out widths and contexts expose it (MAPE > 10 %)."""
+    samples = [LatencySample(s=s, c=c, seconds=5e-3 + 5e-8 * s * s) for s in WIDTHS for c in CONTEXTS]
+    report = validate_leave_out(roofline, samples)
+    assert report.mape_widths is not None and report.mape_contexts is not None
+    assert max(report.mape_widths, report.mape_contexts) > 0.10
+    assert max(fold.mape for fold in report.widths) > 0.10
+    assert report.decode_contexts == [] and report.mape_decode_contexts is None
+
+
+def test_leave_out_needs_two_values_to_split(roofline: RooflineModel) -> None:
+    samples = synthetic(roofline, TRUE_FIT, contexts=[512])
+    report = validate_leave_out(roofline, samples)
+    assert report.contexts == [] and report.mape_contexts is None
+    assert report.mape_widths is not None and report.mape_widths < 1e-9
+
+
+def test_fit_needs_two_verify_samples(roofline: RooflineModel) -> None:
+    decode_only = [LatencySample(s=1, c=c, seconds=0.01, mode="decode") for c in (0, 64, 128)]
+    with pytest.raises(ValueError, match="at least 2 verify"):
+        fit_latency(roofline, [LatencySample(s=2, c=0, seconds=0.01), *decode_only])
+    with pytest.raises(ValueError, match="at least 1 verify"):
+        evaluate_fit(roofline, TRUE_FIT, decode_only)
+    with pytest.raises(ValueError, match="samples\\[0\\] must be a LatencySample"):
+        fit_latency(roofline, [(2, 0, 0.01), (4, 0, 0.02)])  # type: ignore[list-item]
 
 
 def test_fit_report_by_hand(roofline: RooflineModel) -> None:
     raw_1, raw_2 = roofline.verify_seconds(8, 100), roofline.verify_seconds(900, 4000)
+    fit = LatencyFit(beta_fixed=0.0, alpha_gemm=2.0, alpha_tok=0.0, alpha_attn=2.0, alpha_kv=2.0)
+    model = LatencyModel(roofline, fit)
+    fit_1, fit_2 = model.predict(8, 100), model.predict(900, 4000)
     samples = [LatencySample(s=8, c=100, seconds=2 * raw_1), LatencySample(s=900, c=4000, seconds=raw_2 / 2)]
-    doubled = LatencyFit(alpha_c=2.0, beta_c=0.0, alpha_m=2.0, beta_m=0.0)
-    report = evaluate_fit(roofline, doubled, samples)
-    assert report.num_samples == 2
-    # raw errors: raw_1 - 2·raw_1 = -raw_1 (relative 1/2); raw_2 - raw_2/2 = raw_2/2 (relative 1)
+    report = evaluate_fit(roofline, fit, samples)
+    assert report.num_samples == 2 and report.num_decode_samples == 0 and report.mape_decode_fit is None
     assert report.rmse_raw == pytest.approx(math.sqrt((raw_1**2 + (raw_2 / 2) ** 2) / 2), rel=1e-12)
     assert report.mape_raw == pytest.approx((0.5 + 1.0) / 2, rel=1e-12)
-    # fitted = 2·raw: exact on sample 1; 2·raw_2 - raw_2/2 = 1.5·raw_2 (relative 3) on sample 2
-    assert report.rmse_fit == pytest.approx(math.sqrt((1.5 * raw_2) ** 2 / 2), rel=1e-12)
-    assert report.mape_fit == pytest.approx((0.0 + 3.0) / 2, rel=1e-12)
+    errors = [fit_1 - 2 * raw_1, fit_2 - raw_2 / 2]
+    assert report.rmse_fit == pytest.approx(math.sqrt((errors[0] ** 2 + errors[1] ** 2) / 2), rel=1e-12)
+    assert report.mape_fit == pytest.approx((abs(errors[0]) / (2 * raw_1) + abs(errors[1]) / (raw_2 / 2)) / 2)
 
 
-def test_fit_report_calibration_beats_raw(roofline: RooflineModel) -> None:
-    samples = synthetic(roofline, TRUE_FIT)
-    report = evaluate_fit(roofline, fit_latency(roofline, samples), samples)
-    assert report.rmse_fit < 1e-12 < report.rmse_raw
-    assert report.mape_fit < 1e-9 and report.mape_raw > 0.1
-
-
-def test_predict_matches_calibrated_roofline(roofline: RooflineModel) -> None:
-    model = LatencyModel(roofline, TRUE_FIT)
-    assert model.calibrated
-    expected = TRUE_FIT.apply(roofline.compute_seconds(40, 512), roofline.memory_seconds(40, 512))
-    assert model.predict(40, 512) == expected
+def test_uncalibrated_model_is_the_sum_of_the_roofline_parts(roofline: RooflineModel) -> None:
     bare = LatencyModel(roofline)
-    assert not bare.calibrated and bare.predict(40, 512) == roofline.verify_seconds(40, 512)
+    assert not bare.calibrated and bare.latency_fit == LatencyFit.identity()
+    terms = roofline.pass_terms(40, 512)
+    parts = terms.gemm_seconds + terms.attention_compute_seconds + terms.kv_seconds
+    assert bare.predict(40, 512) == pytest.approx(parts, rel=1e-14)
+    # plain decoding without a fit: the roofline of one token
+    one = roofline.pass_terms(1, 900)
+    parts = one.gemm_seconds + one.attention_compute_seconds + one.kv_seconds
+    assert bare.predict_plain(900) == pytest.approx(parts, rel=1e-14)
+
+
+def test_plain_decode_prediction(roofline: RooflineModel) -> None:
+    model = LatencyModel(roofline, TRUE_FIT)
+    decode = TRUE_FIT.decode
+    assert decode is not None
+    assert model.predict_plain(3000) == pytest.approx(
+        decode.beta + decode.alpha_attn * roofline.attention_seconds(1, 3000), rel=1e-14
+    )
+    # a batch: attention per request, and the extra tokens at the verify fit's GEMM and token costs
+    extra = (
+        TRUE_FIT.alpha_gemm * (roofline.gemm_seconds(3) - roofline.gemm_seconds(1)) + 2 * TRUE_FIT.alpha_tok
+    )
+    attention = sum(roofline.attention_seconds(1, c) for c in (100, 2000, 5000))
+    assert model.predict_plain_batch(torch.tensor([100, 2000, 5000])) == pytest.approx(
+        decode.beta + decode.alpha_attn * attention + extra, rel=1e-12
+    )
+    # a calibrated fit without decode samples prices plain decoding as the verify form at s = 1
+    verify_only = LatencyModel(roofline, TRUE_FIT.model_copy(update={"decode": None}))
+    assert verify_only.predict_plain(3000) == pytest.approx(by_hand(roofline, TRUE_FIT, 1, 3000), rel=1e-12)
+    with pytest.raises(ValueError, match="at least one request"):
+        model.predict_plain_batch([])
+    with pytest.raises(ValueError, match="c \\(cached"):
+        model.predict_plain(-1)
 
 
 def test_predict_many_equals_predict(roofline: RooflineModel) -> None:
     for buckets in (None, [16, 32, 64, 128]):
         model = LatencyModel(roofline, TRUE_FIT, width_buckets=buckets)
+        model.observe(24, 3000, 1.2 * model.predict(24, 3000))  # the correction applies to both alike
         widths = torch.arange(1, 129, dtype=torch.int64)
         values = model.predict_many(widths, 3000)
         assert values.dtype == torch.float64 and values.shape == (128,)
@@ -229,11 +332,11 @@ def test_predict_batch(roofline: RooflineModel) -> None:
     model = LatencyModel(roofline, TRUE_FIT)
     assert model.predict_batch([24], [900]) == model.predict(24, 900)
     pair = model.predict_batch([8, 8], [500, 500])
-    # memory-bound: the second request adds traffic but shares the weight read
+    # the second request shares the fixed cost and the weight read
     assert model.predict(8, 500) < pair < 2 * model.predict(8, 500)
-    compute = roofline.compute_seconds_batch([10, 20], [100, 200])
-    memory = roofline.memory_seconds_batch([10, 20], [100, 200])
-    assert model.predict_batch([10, 20], [100, 200]) == TRUE_FIT.apply(compute, memory)
+    terms = roofline.pass_terms_batch([10, 20], [100, 200])
+    assert terms.tokens == 30
+    assert model.predict_batch([10, 20], [100, 200]) == pytest.approx(TRUE_FIT.seconds(terms), rel=1e-14)
 
 
 def test_predict_batch_pads_every_request_to_the_widest_bucket(roofline: RooflineModel) -> None:
@@ -247,44 +350,111 @@ def test_predict_batch_pads_every_request_to_the_widest_bucket(roofline: Rooflin
         model.predict_batch([1, 65], [0, 0])
 
 
-def test_ema_converges_to_constant_bias(roofline: RooflineModel) -> None:
+ONLINE_POINTS = [(s, c) for s in (2, 8, 32, 128, 512) for c in (256, 4096)]
+ONLINE_CHECK = [(3, 256), (48, 4096), (700, 1024), (16, 8000)]
+"""Observed points cycle through ONLINE_POINTS; the check points were never observed."""
+ONLINE_STEPS = 60
+"""N: observations after which the correction must have converged (ema_alpha = 0.1)."""
+
+
+def test_online_correction_recovers_a_scale_change(roofline: RooflineModel) -> None:
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.1)
-    points = [(s, c) for s in (1, 17, 200, 700) for c in (64, 4000)]
-    truth = {point: 1.3 * model.predict(*point) for point in points}
-    for step in range(200):
-        point = points[step % len(points)]
-        model.observe(*point, truth[point])
-    assert model.ema_factor == pytest.approx(1.3, abs=1e-3)
-    assert model.drift == pytest.approx(0.3, abs=1e-3)
-    assert model.predict(17, 64) == pytest.approx(truth[(17, 64)], rel=1e-3)
+    offline = LatencyModel(roofline, TRUE_FIT)
+    assert model.ema_factor == 1.0 and model.drift == 0.0
+    for step in range(ONLINE_STEPS):
+        s, c = ONLINE_POINTS[step % len(ONLINE_POINTS)]
+        model.observe(s, c, 1.3 * offline.predict(s, c))
+    for s, c in ONLINE_POINTS + ONLINE_CHECK:
+        assert model.predict(s, c) == pytest.approx(1.3 * offline.predict(s, c), rel=0.01), (s, c)
+    assert model.ema_factor == pytest.approx(1.3, rel=0.01)
+    assert model.drift == pytest.approx(0.3, abs=0.01)
+    assert model.predict_plain(1000) == offline.predict_plain(1000)  # plain decoding is corrected apart
 
 
-def test_ema_single_update_arithmetic(roofline: RooflineModel) -> None:
-    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.25)
-    base = model.predict(64, 1000)
-    model.observe(64, 1000, 2.0 * base)
-    assert model.ema_factor == pytest.approx(0.75 * 1.0 + 0.25 * 2.0, rel=1e-12)
-    # the ratio is taken against the prediction without the factor
-    model.observe(64, 1000, 2.0 * base)
-    assert model.ema_factor == pytest.approx(0.75 * 1.25 + 0.25 * 2.0, rel=1e-12)
-    assert model.predict(64, 1000) == pytest.approx(model.ema_factor * base, rel=1e-12)
+def test_online_correction_recovers_a_slope_change(roofline: RooflineModel) -> None:
+    """The observed latency gains 15 µs per verified token at c = 1024, where the offline prediction is
+    nearly flat (below the GEMM ridge): the correction's per-token term finds it, also at widths it never
+    saw. A single factor cannot: it is right at one width only."""
+    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.1)
+    offline = LatencyModel(roofline, TRUE_FIT)
+
+    def truth(s: int) -> float:
+        return offline.predict(s, 1024) + 1.5e-5 * s
+
+    observed_widths = (2, 8, 16, 32, 64)
+    for step in range(ONLINE_STEPS):
+        s = observed_widths[step % len(observed_widths)]
+        model.observe(s, 1024, truth(s))
+    for s in (2, 3, 5, 12, 24, 40, 64):
+        assert model.predict(s, 1024) == pytest.approx(truth(s), rel=0.01), s
+    ratios = [truth(s) / offline.predict(s, 1024) for s in (2, 64)]
+    assert ratios[1] > 1.07 * ratios[0]  # a slope change indeed, not a scale change
+    assert model.verify_correction.per_token == pytest.approx(1.5e-5, rel=0.05)
+    assert model.verify_correction.scale == pytest.approx(1.0, abs=0.01)
 
 
-def test_ema_batch_observation_uses_padded_batch(roofline: RooflineModel) -> None:
+def test_online_plain_correction(roofline: RooflineModel) -> None:
+    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.2)
+    offline = LatencyModel(roofline, TRUE_FIT)
+    for step in range(ONLINE_STEPS):
+        c = (64, 512, 2048, 8192)[step % 4]
+        model.observe_plain(c, 0.8 * offline.predict_plain(c))
+    assert model.predict_plain(1000) == pytest.approx(0.8 * offline.predict_plain(1000), rel=0.01)
+    # single-request steps cannot tell a scale from a per-request cost: a batch of two lands near, not on
+    assert model.predict_plain_batch([100, 100]) == pytest.approx(
+        0.8 * offline.predict_plain_batch([100, 100]), rel=0.05
+    )
+    assert model.ema_factor == 1.0 and model.predict(8, 1000) == offline.predict(8, 1000)
+
+
+def test_online_correction_is_bounded(roofline: RooflineModel) -> None:
+    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.5)
+    offline = LatencyModel(roofline, TRUE_FIT)
+    for step in range(40):
+        s = (2, 64, 512)[step % 3]
+        model.observe(s, 100, 1e-6 * offline.predict(s, 100))
+    for s in (2, 64, 512, 1024):
+        assert model.predict(s, 100) >= CORRECTION_FLOOR * offline.predict(s, 100) > 0
+    assert model.verify_correction.scale >= SCALE_BOUNDS[0]
+    for _ in range(40):
+        model.observe(64, 100, 1e3 * offline.predict(64, 100))
+    assert model.verify_correction.scale <= SCALE_BOUNDS[1]
+    assert model.predict(2, 100) > 0
+
+
+def test_online_correction_single_update_fits_the_observation() -> None:
+    """ema_alpha = 1: only the newest observation (and the prior) count, so the correction meets it."""
+    correction = OnlineCorrection(ema_alpha=1.0)
+    assert correction.factor == 1.0 and correction.reference is None
+    correction.update(0.010, 16, 0.015)
+    assert correction.correct(0.010, 16) == pytest.approx(0.015, rel=0.01)
+    assert correction.reference == pytest.approx((0.010, 16))
+    assert correction.factor == pytest.approx(1.5, rel=0.01)
+    assert correction.observations == 1
+    correction.update(0.020, 64, 0.020)  # the previous observation is forgotten
+    assert correction.correct(0.020, 64) == pytest.approx(0.020, rel=0.01)
+
+
+def test_batch_observation_uses_the_padded_batch(roofline: RooflineModel) -> None:
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=1.0, width_buckets=[16, 32])
     base = model.predict_batch([3, 20], [100, 200])
     model.observe_batch([3, 20], [100, 200], 0.5 * base)
-    assert model.ema_factor == pytest.approx(0.5, rel=1e-12)
+    assert model.verify_correction.reference == pytest.approx((base, 64), rel=1e-12)
+    assert model.predict_batch([3, 20], [100, 200]) == pytest.approx(0.5 * base, rel=0.01)
 
 
 @pytest.mark.parametrize("seconds", [0.0, -0.01, math.nan, math.inf])
 def test_observe_rejects_bad_latency(roofline: RooflineModel, seconds: float) -> None:
     model = LatencyModel(roofline, TRUE_FIT)
-    with pytest.raises(ValueError, match="seconds"):
-        model.observe(16, 100, seconds)
-    with pytest.raises(ValueError, match="seconds"):
-        model.observe_batch([16], [100], seconds)
-    assert model.ema_factor == 1.0
+    for observe in (
+        lambda: model.observe(16, 100, seconds),
+        lambda: model.observe_batch([16], [100], seconds),
+        lambda: model.observe_plain(100, seconds),
+        lambda: model.observe_plain_batch([100], seconds),
+    ):
+        with pytest.raises(ValueError, match="seconds"):
+            observe()
+    assert model.verify_correction.observations == model.plain_correction.observations == 0
 
 
 def test_fit_method_returns_new_calibrated_model(roofline: RooflineModel) -> None:
@@ -294,7 +464,7 @@ def test_fit_method_returns_new_calibrated_model(roofline: RooflineModel) -> Non
     assert refit is not model and refit.calibrated and not model.calibrated
     assert (refit.ema_alpha, refit.width_buckets, refit.roofline) == (0.3, (8, 1024), roofline)
     assert refit.ema_factor == 1.0 and model.ema_factor != 1.0
-    assert refit.latency_fit.alpha_c == pytest.approx(TRUE_FIT.alpha_c, rel=1e-6)
+    assert refit.latency_fit.alpha_gemm == pytest.approx(TRUE_FIT.alpha_gemm, rel=1e-6)
 
 
 @pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5, math.nan, True])
@@ -309,10 +479,13 @@ def test_bad_width_buckets(roofline: RooflineModel, buckets: list[float]) -> Non
         LatencyModel(roofline, width_buckets=buckets)
 
 
-def test_fit_predicting_non_positive_latency_is_rejected(roofline: RooflineModel) -> None:
-    broken = LatencyFit(alpha_c=1.0, beta_c=-1.0, alpha_m=1.0, beta_m=-1.0)
-    with pytest.raises(ValueError, match="must be positive"):
-        LatencyModel(roofline, broken)
+def test_a_fit_predicting_zero_is_rejected(roofline: RooflineModel) -> None:
+    zero = LatencyFit(beta_fixed=0.0, alpha_gemm=0.0, alpha_tok=0.0, alpha_attn=0.0, alpha_kv=0.0)
+    with pytest.raises(ValueError, match=r"verify pass .* must be positive"):
+        LatencyModel(roofline, zero)
+    no_decode = TRUE_FIT.model_copy(update={"decode": DecodeFit(beta=0.0, alpha_attn=0.0)})
+    with pytest.raises(ValueError, match=r"plain decode pass .* must be positive"):
+        LatencyModel(roofline, no_decode)
 
 
 @pytest.mark.parametrize(
@@ -323,6 +496,7 @@ def test_fit_predicting_non_positive_latency_is_rejected(roofline: RooflineModel
         ({"s": 0, "c": 0, "seconds": 0.01}, "s"),
         ({"s": 4, "c": -1, "seconds": 0.01}, "c"),
         ({"s": 4, "c": 0, "seconds": 0.01, "batch": 0}, "batch"),
+        ({"s": 4, "c": 0, "seconds": 0.01, "mode": "prefill"}, "mode"),
     ],
 )
 def test_latency_sample_validation(fields: dict[str, float], bad: str) -> None:
@@ -331,9 +505,24 @@ def test_latency_sample_validation(fields: dict[str, float], bad: str) -> None:
     assert error.value.errors()[0]["loc"] == (bad,)
 
 
+def test_decode_sample_is_one_token() -> None:
+    assert LatencySample(s=1, c=10, seconds=0.01, mode="decode").mode == "decode"
+    assert LatencySample(s=4, c=10, seconds=0.01).mode == "verify"
+    with pytest.raises(ValidationError, match="s = 1"):
+        LatencySample(s=2, c=10, seconds=0.01, mode="decode")
+
+
 def test_latency_fit_validation() -> None:
+    fields = dict(beta_fixed=0.0, alpha_gemm=1.0, alpha_tok=0.0, alpha_attn=1.0, alpha_kv=1.0)
+    with pytest.raises(ValidationError, match="alpha_gemm"):
+        LatencyFit(**(fields | {"alpha_gemm": -0.1}))
+    with pytest.raises(ValidationError, match="alpha_kv"):
+        LatencyFit(**(fields | {"alpha_kv": -1e-9}))
+    with pytest.raises(ValidationError, match="beta_fixed"):
+        LatencyFit(**(fields | {"beta_fixed": math.nan}))
     with pytest.raises(ValidationError, match="alpha_c"):
-        LatencyFit(alpha_c=0.0, beta_c=0.0, alpha_m=1.0, beta_m=0.0)
-    with pytest.raises(ValidationError, match="beta_m"):
-        LatencyFit(alpha_c=1.0, beta_c=0.0, alpha_m=1.0, beta_m=math.nan)
-    assert LatencyFit.identity() == LatencyFit(alpha_c=1.0, beta_c=0.0, alpha_m=1.0, beta_m=0.0)
+        LatencyFit(**fields, alpha_c=1.0)
+    with pytest.raises(ValidationError, match="beta"):
+        DecodeFit(beta=-1e-3, alpha_attn=1.0)
+    assert LatencyFit.identity() == LatencyFit(**fields)
+    assert LatencyFit.identity().coefficients() == (0.0, 1.0, 0.0, 1.0, 1.0)

@@ -36,9 +36,9 @@ COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1025)
 
 
-def latency(buckets: tuple[int, ...] | None = None) -> LatencyModel:
-    # A calibrated fit with offsets (as measured fits have) keeps Ĉ convex in s.
-    fit = LatencyFit(alpha_c=1.4, beta_c=4e-3, alpha_m=1.1, beta_m=3e-3)
+def latency(buckets: tuple[int, ...] | None = None, alpha_tok: float = 0.0) -> LatencyModel:
+    # A calibrated fit with a fixed term and no narrow-pass token term keeps Ĉ convex in s.
+    fit = LatencyFit(beta_fixed=4e-3, alpha_gemm=1.4, alpha_tok=alpha_tok, alpha_attn=1.1, alpha_kv=1.5)
     return LatencyModel(RooflineModel(QWEN3_8B, H100), fit=fit, width_buckets=buckets)
 
 
@@ -211,7 +211,7 @@ def test_plan_batch_fixed_chain_bucketed() -> None:
 def test_plan_batch_ragged_hands_out_nodes_by_score() -> None:
     trees = batch_trees(3, 128, 4)
     contexts = [64, 64, 64]
-    model = latency()
+    model = latency(alpha_tok=2e-4)  # each token costs: the greedy walk stops before taking every node
     plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=False)
     chosen = [float(trees.log_scores[i, n - 1]) for i, n in enumerate(plan.node_counts) if n > 0]
     left = [float(trees.log_scores[i, n]) for i, n in enumerate(plan.node_counts) if n < 128]

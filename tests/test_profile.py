@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from bastion_sglang.controller.latency import LatencyFit, LatencySample, evaluate_fit
+from bastion_sglang.controller.latency import (
+    DecodeFit,
+    LatencyFit,
+    LatencyModel,
+    LatencySample,
+    evaluate_fit,
+    validate_leave_out,
+)
 from bastion_sglang.controller.profile import (
     PROFILE_SCHEMA_VERSION,
     CalibrationProfile,
@@ -45,14 +52,19 @@ def make_profile() -> CalibrationProfile:
     shape = ModelShape.from_hf_config(QWEN3_8B_CONFIG)
     hardware = HardwareSpec(name="NVIDIA H100 80GB HBM3 (measured)", peak_flops=7.1e14, bandwidth=2.9e12)
     roofline = RooflineModel(shape, hardware, bytes_per_element=2)
-    fit = LatencyFit(alpha_c=1.3, beta_c=0.0015, alpha_m=1.1, beta_m=0.0007)
+    fit = LatencyFit(
+        beta_fixed=0.0015,
+        alpha_gemm=1.3,
+        alpha_tok=1e-6,
+        alpha_attn=1.6,
+        alpha_kv=2.0,
+        decode=DecodeFit(beta=9e-4, alpha_attn=1.2),
+    )
+    model = LatencyModel(roofline, fit)
     samples = [
-        LatencySample(
-            s=s, c=c, seconds=fit.apply(roofline.compute_seconds(s, c), roofline.memory_seconds(s, c))
-        )
-        for s in (1, 16, 64, 256)
-        for c in (128, 2048)
+        LatencySample(s=s, c=c, seconds=model.predict(s, c)) for s in (2, 16, 64, 256) for c in (128, 2048)
     ]
+    samples += [LatencySample(s=1, c=c, seconds=model.predict_plain(c), mode="decode") for c in (128, 2048)]
     metadata = ProfileMetadata(
         device_name="NVIDIA H100 80GB HBM3",
         driver_version="560.35.03",
@@ -67,15 +79,16 @@ def make_profile() -> CalibrationProfile:
         created_at=datetime(2026, 5, 1, 12, 30, tzinfo=UTC),
     )
     return CalibrationProfile(
-        schema_version=1,
+        schema_version=PROFILE_SCHEMA_VERSION,
         metadata=metadata,
         model_shape=shape,
         hardware=hardware,
         bytes_per_element=2.0,
         fit=fit,
         report=evaluate_fit(roofline, fit, samples),
+        leave_out=validate_leave_out(roofline, samples),
         samples=samples,
-        step_costs=StepCosts(t_draft=0.0021, t_aux=0.0004, l_ar=0.0072),
+        step_costs=StepCosts(t_draft=0.0021, t_aux=0.0004, l_ar=0.0072, t_aux_per_token=3e-6),
         width_buckets=[16, 32, 64, 128, 256],
         max_context=32768,
     )
@@ -93,10 +106,15 @@ def profile_dict() -> dict[str, Any]:
 
 def test_round_trip(tmp_path: Path) -> None:
     profile = make_profile()
+    assert PROFILE_SCHEMA_VERSION == 2
     path = tmp_path / "profiles" / "h100" / "qwen3-8b.json"
     save_profile(profile, path)
     loaded = load_profile(path)
     assert loaded == profile
+    assert loaded.fit.decode == profile.fit.decode is not None
+    assert loaded.leave_out is not None and loaded.leave_out == profile.leave_out
+    assert [x.mode for x in loaded.samples].count("decode") == 2
+    assert loaded.step_costs.t_aux_per_token == 3e-6
     assert loaded.metadata.created_at == datetime(2026, 5, 1, 12, 30, tzinfo=UTC)
     assert [p.name for p in path.parent.iterdir()] == ["qwen3-8b.json"]  # no temporary file left
 
@@ -123,8 +141,11 @@ def test_latency_model_from_profile() -> None:
     model = profile.latency_model(ema_alpha=0.2)
     assert model.calibrated and model.ema_alpha == 0.2 and model.width_buckets == (16, 32, 64, 128, 256)
     roofline = profile.roofline()
-    expected = profile.fit.apply(roofline.compute_seconds(32, 900), roofline.memory_seconds(32, 900))
+    expected = profile.fit.seconds(roofline.pass_terms(32, 900))
     assert model.predict(20, 900) == expected
+    assert model.predict_plain(900) == pytest.approx(
+        0.0009 + 1.2 * roofline.attention_seconds(1, 900), rel=1e-14
+    )
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -167,7 +188,7 @@ def test_top_level_must_be_object(tmp_path: Path) -> None:
         load_profile(path)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", True])
+@pytest.mark.parametrize("version", [3, 0, "2", True])
 def test_wrong_schema_version(tmp_path: Path, profile_dict: dict[str, Any], version: Any) -> None:
     path = write_json(tmp_path / "future.json", {**profile_dict, "schema_version": version})
     with pytest.raises(ProfileError) as error:
@@ -175,6 +196,22 @@ def test_wrong_schema_version(tmp_path: Path, profile_dict: dict[str, Any], vers
     message = str(error.value)
     assert str(path) in message
     assert f"found {version!r}" in message and f"supported {PROFILE_SCHEMA_VERSION}" in message
+
+
+def test_version_1_profile_is_rejected_with_the_command_to_rerun(tmp_path: Path) -> None:
+    """A profile of the max-of-two-affine fit (schema 1) cannot be read: it names the versions and the fix."""
+    v1 = {
+        "schema_version": 1,
+        "fit": {"alpha_c": 1.3, "beta_c": 0.0015, "alpha_m": 1.1, "beta_m": 0.0007},
+        "samples": [{"s": 1, "c": 128, "seconds": 0.01, "batch": 1}],
+    }
+    path = write_json(tmp_path / "v1.json", v1)
+    with pytest.raises(ProfileError) as error:
+        load_profile(path)
+    message = str(error.value)
+    assert str(path) in message
+    assert "schema_version found 1, supported 2" in message
+    assert "re-run `bastion calibrate`" in message
 
 
 def test_missing_schema_version(tmp_path: Path, profile_dict: dict[str, Any]) -> None:
@@ -235,9 +272,14 @@ def test_invalid_field_is_named(tmp_path: Path, profile_dict: dict[str, Any], ed
 
 
 def test_fit_with_non_positive_latency_is_rejected(tmp_path: Path, profile_dict: dict[str, Any]) -> None:
-    profile_dict["fit"] = {"alpha_c": 1.0, "beta_c": -1.0, "alpha_m": 1.0, "beta_m": -1.0}
-    path = write_json(tmp_path / "broken-fit.json", profile_dict)
+    zero = {"beta_fixed": 0.0, "alpha_gemm": 0.0, "alpha_tok": 0.0, "alpha_attn": 0.0, "alpha_kv": 0.0}
+    profile_dict["fit"] = zero
+    path = write_json(tmp_path / "zero-fit.json", profile_dict)
     with pytest.raises(ProfileError, match=r"fit: Value error, .*must be positive"):
+        load_profile(path)
+    profile_dict["fit"] = zero | {"beta_fixed": -1.0, "alpha_gemm": 1.0}
+    path = write_json(tmp_path / "negative-fit.json", profile_dict)
+    with pytest.raises(ProfileError, match=r"fit\.beta_fixed: Input should be greater than or equal to 0"):
         load_profile(path)
 
 

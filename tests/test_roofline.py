@@ -165,6 +165,75 @@ def test_seconds_are_counts_over_peaks(qwen3_8b: RooflineModel) -> None:
     assert qwen3_8b.compute_seconds(4096, 0) > qwen3_8b.memory_seconds(4096, 0)
 
 
+@pytest.mark.parametrize(("s", "c"), [(1, 0), (16, 1024), (512, 8192), (7, 3)])
+def test_pass_parts_by_hand(qwen3_8b: RooflineModel, s: int, c: int) -> None:
+    """The parts the latency model weighs: GEMMs (linear layers + LM head), weights, attention FLOPs, and
+    per-request KV cache + activation bytes without the score matrix. Eq. (8) is GEMMs + attention; eq. (9)
+    is weights + request bytes + the score matrix."""
+    gemm = 36 * (4 * s * 4096 * 4096 + 4 * s * 4096 * 1024 + 6 * s * 4096 * 12288) + 2 * s * 4096 * 151936
+    attention = 4 * s * (c + s) * 4096 * 36
+    weights = 2 * 151936 * 4096 + 36 * (2 * 4096 * (4096 + 1024) + 3 * 4096 * 12288)
+    request = s * (4096 + 151936) + 36 * (2 * 1024 * (c + 2 * s) + 4 * s * (4096 + 4096 + 12288))
+    scores = 36 * 2 * 32 * s * (c + s)
+    assert qwen3_8b.gemm_flops(s) == gemm
+    assert qwen3_8b.attention_flops(s, c) == attention
+    assert qwen3_8b.weight_bytes() == 2 * weights
+    assert qwen3_8b.request_bytes(s, c) == 2 * request
+    assert qwen3_8b.flops(s, c) == gemm + attention
+    assert qwen3_8b.bytes(s, c) == 2 * (weights + request + scores)
+    assert qwen3_8b.gemm_seconds(s) == max(gemm / 1.0e15, 2 * weights / 2.0e12)
+    assert qwen3_8b.attention_seconds(s, c) == max(attention / 1.0e15, 2 * request / 2.0e12)
+
+
+def test_score_matrix_is_most_of_the_paper_bytes_for_wide_passes_over_long_contexts(
+    qwen3_8b: RooflineModel,
+) -> None:
+    scores = 2 * 36 * 2 * 32 * 1024 * (8192 + 1024)
+    assert scores > 0.5 * qwen3_8b.bytes(1024, 8192)
+    assert qwen3_8b.bytes(1024, 8192) == qwen3_8b.weight_bytes() + qwen3_8b.request_bytes(1024, 8192) + scores
+
+
+def test_one_token_pass_is_memory_bound_and_a_wide_one_compute_bound(qwen3_8b: RooflineModel) -> None:
+    assert qwen3_8b.gemm_seconds(1) == qwen3_8b.weight_bytes() / 2.0e12
+    assert qwen3_8b.gemm_seconds(4096) == qwen3_8b.gemm_flops(4096) / 1.0e15
+    assert qwen3_8b.attention_seconds(1, 8192) == qwen3_8b.request_bytes(1, 8192) / 2.0e12
+
+
+def test_pass_terms_batch_sums_attention_per_request_and_runs_gemms_over_all_tokens(
+    qwen3_8b: RooflineModel,
+) -> None:
+    terms = qwen3_8b.pass_terms_batch([16, 48], [100, 3000])
+    assert terms.tokens == 64
+    assert terms.gemm_seconds == qwen3_8b.gemm_seconds(64)
+    assert terms.attention_seconds == qwen3_8b.attention_seconds(16, 100) + qwen3_8b.attention_seconds(
+        48, 3000
+    )
+    one = qwen3_8b.pass_terms(16, 100)
+    assert (one.tokens, one.gemm_seconds, one.attention_seconds) == (
+        16,
+        qwen3_8b.gemm_seconds(16),
+        qwen3_8b.attention_seconds(16, 100),
+    )
+    with pytest.raises(ValueError, match="2 requests but c has 1"):
+        qwen3_8b.pass_terms_batch([1, 2], [3])
+    with pytest.raises(ValueError, match="s \\(tokens verified\\)"):
+        qwen3_8b.gemm_flops(0)
+
+
+@pytest.mark.parametrize("c", [0, 64, 8192])
+def test_vectorised_parts_equal_scalar_parts(qwen3_8b: RooflineModel, c: int) -> None:
+    widths = torch.tensor([1, 2, 3, 16, 17, 100, 512, 1024, 4096], dtype=torch.int64)
+    gemm = qwen3_8b.gemm_seconds_many(widths)
+    attention = qwen3_8b.attention_seconds_many(widths, c)
+    assert gemm.dtype == attention.dtype == torch.float64 and gemm.shape == attention.shape == widths.shape
+    expected_gemm = torch.tensor([qwen3_8b.gemm_seconds(int(s)) for s in widths], dtype=torch.float64)
+    expected_attention = torch.tensor(
+        [qwen3_8b.attention_seconds(int(s), c) for s in widths], dtype=torch.float64
+    )
+    torch.testing.assert_close(gemm, expected_gemm, rtol=1e-14, atol=0.0)
+    torch.testing.assert_close(attention, expected_attention, rtol=1e-14, atol=0.0)
+
+
 def test_bytes_per_element_scales_traffic_only() -> None:
     shape = ModelShape.from_hf_config(QWEN3_8B)
     fp8 = RooflineModel(shape, H100, bytes_per_element=1)

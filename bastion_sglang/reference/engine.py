@@ -252,7 +252,7 @@ class ReferenceEngine:
         if self.step_costs is not None:
             return self.step_costs
         return StepCosts(
-            t_draft=self._costs.t_draft, t_aux=self._costs.t_aux, l_ar=self.latency.predict(1, ctx_len)
+            t_draft=self._costs.t_draft, t_aux=self._costs.t_aux, l_ar=self.latency.predict_plain(ctx_len)
         )
 
     @torch.no_grad()
@@ -352,7 +352,7 @@ class ReferenceEngine:
     def _plain_step(self, state: DecodeState) -> StepStats:
         """One token of plain autoregressive decoding."""
         ctx = state.ctx_len
-        predicted = self.latency.predict(1, ctx)
+        predicted = self.latency.predict_plain(ctx)
         timer = StageTimer(self.device)
         with timer.stage("verify"):
             out = self.target.forward(
@@ -365,7 +365,7 @@ class ReferenceEngine:
             token = self._pick(out.logits, state, len(state.output))
             emitted = state.commit(token, token.tolist())  # host sync: the token decides whether to stop
         seconds = timer.finish()
-        self.latency.observe(1, ctx, seconds.verify)
+        self.latency.observe_plain(ctx, seconds.verify)
         return StepStats(ctx, 0, 1, 1.0, 0, emitted, predicted, seconds)
 
     def _speculative_step(self, state: DecodeState, policy: BudgetPolicy) -> StepStats:

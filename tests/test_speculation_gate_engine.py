@@ -1,0 +1,164 @@
+"""Never slower than plain decoding, in a real `sglang.Engine` on CPU (adaptive policy, fp32, 512 tokens).
+
+Tiny random Qwen3 target and DFlash drafter (tests/engine_support.py) with the test-only oracle drafter
+(tests/oracle_drafter.py) in three roles: right (the drafter proposes the target's own continuation),
+wrong (it confidently proposes a token that is never the target's), switching (right for 64 emitted tokens,
+wrong for the next 64, ...). One BASTION Engine with metrics on serves, in order: the right prompts, the
+wrong prompts, the switching prompts, then all of them in one batch of 8. After each call the decode-step
+counters (`sglang:bastion_decode_steps_total{mode}`) say how its steps went:
+- right: every step speculates, with long accepted paths;
+- wrong: after the first probes the drafter is skipped (most steps draft nothing);
+- switching: both speculative and skipped steps (the gate backs off, then resumes);
+and every output equals the Engine without speculation, token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+from engine_support import engine_server_args, first_difference, make_model_pair  # noqa: E402
+from oracle_drafter import write_references  # noqa: E402
+
+from bastion_sglang.registration import make_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    list(text.encode())
+    for text in (
+        "hello world",
+        "the quick brown fox",
+        "abc",
+        "once upon a time there",
+        "0123456789",
+        "BASTION verifies trees",
+        "zz",
+        "a longer prompt that spans more than one block of sixteen tokens",
+    )
+]
+RIGHT, WRONG, SWITCHING = [0, 1], [2, 3], [4, 5, 6, 7]
+MAX_NEW_TOKENS = 512
+SWITCH_PERIOD = 64
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+STEPS_METRIC = "sglang:bastion_decode_steps"
+MODES = ("speculative", "declined", "skipped")
+
+
+def decode_steps(directory: Path) -> dict[str, float]:
+    """Decode steps per mode so far, from the Engine's prometheus_client multiprocess directory."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(directory))
+    counts = dict.fromkeys(MODES, 0.0)
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == f"{STEPS_METRIC}_total":
+                counts[sample.labels["mode"]] += sample.value
+    return counts
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("gate_engine"))
+
+
+@pytest.fixture(scope="module")
+def reference(models: tuple[Path, Path]) -> list[list[int]]:
+    engine = sglang.Engine(server_args=engine_server_args(models, None))
+    try:
+        return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    finally:
+        engine.shutdown()
+
+
+Call = tuple[list[list[int]], dict[str, float]]
+
+
+@pytest.fixture(scope="module")
+def bastion(
+    models: tuple[Path, Path], reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Call]]:
+    root = tmp_path_factory.mktemp("gate_run")
+    oracle = write_references(
+        root / "oracle.json",
+        PROMPTS,
+        reference,
+        wrong_prompts=[PROMPTS[i] for i in WRONG],
+        switch_prompts=[PROMPTS[i] for i in SWITCHING],
+        switch_period=SWITCH_PERIOD,
+    )
+    config = dataclasses.replace(
+        make_config(policy="adaptive", max_budget=16, topk=4),
+        draft_proposer="oracle_drafter:make_oracle",
+        draft_proposer_arg=str(oracle),
+    )
+    metrics_dir = root / "metrics"
+    metrics_dir.mkdir()
+    saved = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # read by the Engine's processes
+    try:
+        engine = sglang.Engine(server_args=engine_server_args(models, config, enable_metrics=True))
+    finally:
+        if saved is None:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
+    calls: dict[str, Call] = {}
+    try:
+        for name, indices in (
+            ("right", RIGHT),
+            ("wrong", WRONG),
+            ("switching", SWITCHING),
+            ("all", list(range(len(PROMPTS)))),
+        ):
+            before = decode_steps(metrics_dir)
+            outputs = engine.generate(input_ids=[PROMPTS[i] for i in indices], sampling_params=GREEDY)
+            after = decode_steps(metrics_dir)
+            steps = {mode: after[mode] - before[mode] for mode in MODES}
+            calls[name] = ([out["output_ids"] for out in outputs], steps)
+        yield calls
+    finally:
+        engine.shutdown()
+
+
+def _assert_equal(got: list[list[int]], want: list[list[int]], indices: list[int]) -> None:
+    for ids, i in zip(got, indices, strict=True):
+        assert ids == want[i], f"prompt {i}: first difference at token {first_difference(ids, want[i])}"
+
+
+@pytest.mark.parametrize(
+    ("name", "indices"),
+    [("right", RIGHT), ("wrong", WRONG), ("switching", SWITCHING), ("all", list(range(8)))],
+)
+def test_outputs_equal_no_speculation(
+    bastion: dict[str, Call], reference: list[list[int]], name: str, indices: list[int]
+) -> None:
+    _assert_equal(bastion[name][0], reference, indices)
+
+
+def test_a_drafter_that_predicts_keeps_speculating(bastion: dict[str, Call]) -> None:
+    steps = bastion["right"][1]
+    assert steps["skipped"] == 0 and steps["declined"] == 0
+    # with the oracle, trees of up to 16 nodes accept long paths: far fewer steps than tokens
+    assert 0 < steps["speculative"] < MAX_NEW_TOKENS / 4
+
+
+def test_a_drafter_that_never_matches_is_skipped(bastion: dict[str, Call]) -> None:
+    steps = bastion["wrong"][1]
+    total = sum(steps.values())
+    assert total >= MAX_NEW_TOKENS - 1  # one token per step: nothing is ever accepted
+    assert steps["skipped"] > 0.8 * total, steps
+
+
+def test_switching_text_moves_between_skipping_and_speculating(bastion: dict[str, Call]) -> None:
+    steps = bastion["switching"][1]
+    assert steps["skipped"] > 0 and steps["speculative"] > 0, steps
