@@ -72,9 +72,13 @@ would need a huge a and a huge negative b that a handful of passes at nearby wid
 carry over to widths never observed; one EMA factor per width bucket could fix a slope too, but only at the
 buckets the planner happens to run, leaving the widths it is deciding about uncorrected. The prior never
 decays, so a run of passes at one width cannot wind the estimate up in the direction it does not see (it
-splits the correction between a and d there). Bounds: a in SCALE_BOUNDS, and the corrected prediction is at
-least CORRECTION_FLOOR × P, so it is never <= 0. Verify passes and plain decode steps (T = B requests) have
-one correction each. `ema_factor` summarises the verify correction as a factor at its typical point:
+splits the correction between a and d there). The first observation's ratio observed / P becomes a base
+scale that every later prediction carries before a and d apply (an uncalibrated roofline of a small model on
+a CPU is off by two orders of magnitude, beyond what a bounded a and a regularised d reach). Bounds: a in
+SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is never <= 0.
+Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step
+has been observed, plain decoding borrows the verify passes' correction. `ema_factor` summarises the verify
+correction as a factor at its typical point:
 (a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens it saw.
 """
 
@@ -437,6 +441,7 @@ class OnlineCorrection:
 
     __slots__ = (
         "_a",
+        "_base",
         "_d",
         "_decay",
         "_g11",
@@ -454,6 +459,7 @@ class OnlineCorrection:
         self._decay = 1.0 - _check_ema_alpha(ema_alpha)
         self._g11 = self._g12 = self._g22 = self._r1 = self._r2 = self._sw = self._sp = self._sn = 0.0
         self._a, self._d = 1.0, 0.0
+        self._base = 1.0
         self._observations = 0
 
     @property
@@ -472,29 +478,44 @@ class OnlineCorrection:
 
     @property
     def reference(self) -> tuple[float, float] | None:
-        """(p̄ seconds, n̄ tokens): the weighted means of what was observed (None before any observation)."""
+        """(p̄ seconds, n̄ tokens): the weighted means of the base-scaled predictions and the tokens observed
+        (None before any observation)."""
         return (self._sp / self._sw, self._sn / self._sw) if self._sw > 0 else None
 
     @property
     def factor(self) -> float:
-        """(a·p̄ + d·n̄) / p̄: the correction as a factor at its typical point (1 before any observation)."""
+        """(a·p̄ + d·n̄) / (p̄ / base): the correction as a factor over the offline prediction at its typical
+        point (p̄ base-scaled; 1 before any observation)."""
         reference = self.reference
         if reference is None:
             return 1.0
-        predicted, tokens = reference
-        return self.correct(predicted, tokens) / predicted
+        scaled, tokens = reference
+        offline = scaled / self._base  # the reference holds base-scaled predictions
+        return self.correct(offline, tokens) / offline
+
+    @property
+    def base(self) -> float:
+        """The first observation's observed / predicted ratio, which every prediction is scaled by before a
+        and d apply (1 before any observation): one pass fixes a scale error of any size (an uncalibrated
+        roofline can be off by orders of magnitude), and a and d refine it within their bounds."""
+        return self._base
 
     def correct(self, predicted: float, tokens: float) -> float:
-        """max(a·predicted + d·tokens, CORRECTION_FLOOR·predicted), seconds."""
+        """max(a·base·predicted + d·tokens, CORRECTION_FLOOR·base·predicted), seconds."""
+        predicted = self._base * predicted
         return max(self._a * predicted + self._d * tokens, CORRECTION_FLOOR * predicted)
 
     def correct_many(self, predicted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Elementwise `correct`: [M] float64 seconds and [M] tokens -> [M] float64 seconds."""
+        predicted = self._base * predicted
         corrected = self._a * predicted + self._d * tokens.to(torch.float64)
         return torch.maximum(corrected, CORRECTION_FLOOR * predicted)
 
     def update(self, predicted: float, tokens: float, observed: float) -> None:
         """Add one observation (predicted and observed seconds > 0, tokens >= 1) and refit a and d."""
+        if self._observations == 0:
+            self._base = observed / predicted
+        predicted = self._base * predicted
         decay = self._decay
         x1, x2 = predicted / observed, tokens / observed
         self._g11 = decay * self._g11 + x1 * x1
@@ -674,7 +695,10 @@ class LatencyModel:
         """Seconds of one plain decode step over a batch: one token for each request, contexts: [B] cached
         tokens per request."""
         c_list = _check_contexts(contexts)
-        return self._plain.correct(self._plain_seconds(c_list), len(c_list))
+        # before any plain step was measured, the verify passes' correction is the best evidence of how far
+        # the offline model is from this device (an uncalibrated roofline can be off by orders of magnitude)
+        correction = self._plain if self._plain.observations else self._verify
+        return correction.correct(self._plain_seconds(c_list), len(c_list))
 
     def observe(self, s: int, c: int, seconds: float) -> None:
         """Online update after a measured verify pass of s tokens over c cached tokens taking `seconds`
