@@ -106,10 +106,9 @@ def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
     assert chain.mean_accept_length >= 1.0
     assert chain.mean_budget == CHAIN_NODES
     assert chain.speedup == pytest.approx(chain.tokens_per_second / ar.tokens_per_second)
-    # the controller's estimate over the same steps; the worker counts what each step committed, which is
-    # at least what SGLang emitted (the length cap cuts the last step)
-    assert chain.realised_accept_length is not None
-    assert chain.realised_accept_length >= chain.mean_accept_length - 1e-9
+    # the controller's estimate over the same steps; the worker counts what each decode step committed
+    # (τ above also counts the prefill's first token, so the two differ)
+    assert chain.realised_accept_length is not None and chain.realised_accept_length >= 1.0
     assert chain.mean_expected_accept_length is not None and chain.mean_expected_accept_length >= 1.0
     assert chain.mean_expected_accept_length_raw is not None
     assert chain.accept_error == pytest.approx(
