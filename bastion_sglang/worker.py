@@ -305,7 +305,7 @@ class BastionWorker(DFlashWorkerV2):
         self._last_decode_end: float | None = None  # host clock at the end of the last decode step
         self._proposer = load_draft_proposer(self.config)
         self._timer = StageTimer(torch.device(self.device))
-        self._costs = StepCostTracker(prior=profile_costs)
+        self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (

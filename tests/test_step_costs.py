@@ -10,7 +10,7 @@ from bastion_sglang.controller.step_costs import StepCostTracker
 
 
 def test_recovers_a_line_in_the_verify_tokens() -> None:
-    tracker = StepCostTracker(decay=0.99, warmup=1)
+    tracker = StepCostTracker(decay=0.99)
     rng = np.random.default_rng(0)
     for _ in range(400):
         tokens = int(rng.integers(2, 200))
@@ -23,7 +23,7 @@ def test_recovers_a_line_in_the_verify_tokens() -> None:
 
 
 def test_constant_width_gives_the_mean_and_no_slope() -> None:
-    tracker = StepCostTracker(warmup=1)
+    tracker = StepCostTracker()
     for seconds in (0.004, 0.006):
         tracker.observe(0.01, seconds, 17)
     t_aux, per_token = tracker.aux_line()
@@ -32,21 +32,24 @@ def test_constant_width_gives_the_mean_and_no_slope() -> None:
 
 
 def test_falling_cost_never_gives_a_negative_slope() -> None:
-    tracker = StepCostTracker(warmup=1)
+    tracker = StepCostTracker()
     for tokens, seconds in ((2, 0.01), (64, 0.005), (128, 0.001)):
         tracker.observe(0.0, seconds, tokens)
     t_aux, per_token = tracker.aux_line()
     assert per_token == 0.0 and t_aux > 0
 
 
-def test_prior_is_used_during_warmup() -> None:
+def test_prior_counts_as_pseudo_steps() -> None:
     prior = StepCosts(t_draft=0.5, t_aux=0.25, l_ar=1.0, t_aux_per_token=0.125)
-    tracker = StepCostTracker(prior=prior, warmup=3)
-    tracker.observe(0.01, 0.01, 4)
-    tracker.observe(0.01, 0.01, 4)
+    tracker = StepCostTracker(prior=prior, decay=0.9, prior_weight=10.0)
     assert tracker.costs(l_ar=0.2) == StepCosts(t_draft=0.5, t_aux=0.25, l_ar=0.2, t_aux_per_token=0.125)
-    tracker.observe(0.01, 0.01, 4)
-    assert tracker.costs(l_ar=0.2).t_draft == pytest.approx(0.01)
+    for _ in range(200):
+        tracker.observe(0.01, 0.01, 4)
+    assert tracker.costs(l_ar=0.2).t_draft == pytest.approx(0.01, rel=1e-3)  # the measurements took over
+    stubborn = StepCostTracker(prior=prior, decay=0.9, prior_weight=1e9)
+    for _ in range(30):
+        stubborn.observe(0.01, 0.01, 4)
+    assert stubborn.costs(l_ar=0.2).t_draft == pytest.approx(0.5, rel=1e-3)  # a heavy prior stays
 
 
 def test_rejects_bad_decay() -> None:
