@@ -72,10 +72,17 @@ would need a huge a and a huge negative b that a handful of passes at nearby wid
 carry over to widths never observed; one EMA factor per width bucket could fix a slope too, but only at the
 buckets the planner happens to run, leaving the widths it is deciding about uncorrected. The prior never
 decays, so a run of passes at one width cannot wind the estimate up in the direction it does not see (it
-splits the correction between a and d there). The first observation's ratio observed / P becomes a base
-scale that every later prediction carries before a and d apply (an uncalibrated roofline of a small model on
-a CPU is off by two orders of magnitude, beyond what a bounded a and a regularised d reach). Bounds: a in
-SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is never <= 0.
+splits the correction between a and d there). What happens next depends on whether the model is calibrated:
+- calibrated (an offline fit from a profile): the profile is evidence too. It enters the sums as 1 / ema_alpha
+  pseudo-observations at a = 1, d = 0 (the weight an EMA holds in steady state), decaying like measured ones,
+  so the measurements take over within a few dozen passes at the default ema_alpha, and a tiny ema_alpha
+  keeps the profile (the rule `controller.step_costs` applies to the step costs: one knob for every online
+  correction). A cold first pass (allocations, autotuning) cannot rescale such a model.
+- uncalibrated (the bare roofline): the first observation's ratio observed / P becomes a base scale that
+  every later prediction carries before a and d apply (an uncalibrated roofline of a small model on a CPU is
+  off by two orders of magnitude, beyond what a bounded a and a regularised d reach).
+Bounds: a in SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is
+never <= 0 (base = 1 for a calibrated model).
 Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step
 has been observed, plain decoding borrows the verify passes' correction. `ema_factor` summarises the verify
 correction as a factor at its typical point:
@@ -435,8 +442,10 @@ class OnlineCorrection:
 
     Exponentially weighted least squares on relative error, (p/y, n/y)·(a, d) ≈ 1 for each observation
     (p predicted seconds, n tokens of the pass, y observed seconds), with the weighted sums decayed by
-    1 - ema_alpha per observation and a prior PRIOR_WEIGHT·[(a - 1)² + (d·n̄ / p̄)²] that never decays
-    (p̄, n̄: the weighted means of the predictions and tokens).
+    1 - ema_alpha per observation and a prior w·[(a - 1)² + (d·n̄ / p̄)²] (p̄, n̄: the weighted means of
+    the predictions and tokens) with w = PRIOR_WEIGHT, which never decays, plus `prior_weight`, which decays
+    like an observation. rescale: the first observation's observed / predicted ratio becomes the base scale
+    (for an uncalibrated model); otherwise the base stays 1.
     """
 
     __slots__ = (
@@ -448,15 +457,25 @@ class OnlineCorrection:
         "_g12",
         "_g22",
         "_observations",
+        "_prior",
         "_r1",
         "_r2",
+        "_rescale",
         "_sn",
         "_sp",
         "_sw",
     )
 
-    def __init__(self, ema_alpha: float = 0.1) -> None:
+    def __init__(self, ema_alpha: float = 0.1, prior_weight: float = 0.0, rescale: bool = True) -> None:
         self._decay = 1.0 - _check_ema_alpha(ema_alpha)
+        if (
+            isinstance(prior_weight, bool)
+            or not isinstance(prior_weight, Real)
+            or not 0 <= prior_weight < math.inf
+        ):
+            raise ValueError(f"prior_weight must be finite and >= 0, got {prior_weight!r}")
+        self._prior = float(prior_weight)
+        self._rescale = rescale
         self._g11 = self._g12 = self._g22 = self._r1 = self._r2 = self._sw = self._sp = self._sn = 0.0
         self._a, self._d = 1.0, 0.0
         self._base = 1.0
@@ -495,9 +514,10 @@ class OnlineCorrection:
 
     @property
     def base(self) -> float:
-        """The first observation's observed / predicted ratio, which every prediction is scaled by before a
-        and d apply (1 before any observation): one pass fixes a scale error of any size (an uncalibrated
-        roofline can be off by orders of magnitude), and a and d refine it within their bounds."""
+        """With `rescale`, the first observation's observed / predicted ratio, which every prediction is
+        scaled by before a and d apply (1 before any observation): one pass fixes a scale error of any size
+        (an uncalibrated roofline can be off by orders of magnitude), and a and d refine it within their
+        bounds. Without `rescale`, 1."""
         return self._base
 
     def correct(self, predicted: float, tokens: float) -> float:
@@ -513,7 +533,7 @@ class OnlineCorrection:
 
     def update(self, predicted: float, tokens: float, observed: float) -> None:
         """Add one observation (predicted and observed seconds > 0, tokens >= 1) and refit a and d."""
-        if self._observations == 0:
+        if self._observations == 0 and self._rescale:
             self._base = observed / predicted
         predicted = self._base * predicted
         decay = self._decay
@@ -526,12 +546,14 @@ class OnlineCorrection:
         self._sw = decay * self._sw + 1.0
         self._sp = decay * self._sp + predicted
         self._sn = decay * self._sn + tokens
+        self._prior *= decay
         self._observations += 1
         scale = (self._sn / self._sp) ** 2  # (n̄ / p̄)²: d in units of a
-        m11 = self._g11 + PRIOR_WEIGHT
-        m22 = self._g22 + PRIOR_WEIGHT * scale
+        prior = PRIOR_WEIGHT + self._prior
+        m11 = self._g11 + prior
+        m22 = self._g22 + prior * scale
         determinant = m11 * m22 - self._g12 * self._g12
-        a = ((self._r1 + PRIOR_WEIGHT) * m22 - self._g12 * self._r2) / determinant
+        a = ((self._r1 + prior) * m22 - self._g12 * self._r2) / determinant
         low, high = SCALE_BOUNDS
         self._a = min(max(a, low), high)
         self._d = (self._r2 - self._g12 * self._a) / m22  # the best d for this a
@@ -565,8 +587,8 @@ class LatencyModel:
         self._bucket_tensor = (
             None if self._buckets is None else torch.tensor(self._buckets, dtype=torch.int64)
         )
-        self._verify = OnlineCorrection(self._ema_alpha)
-        self._plain = OnlineCorrection(self._ema_alpha)
+        self._verify = self._new_correction()
+        self._plain = self._new_correction()
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
         for what, floor in floors:
             if not floor > 0:
@@ -574,6 +596,13 @@ class LatencyModel:
                     f"the latency fit predicts {floor} s for a {what} pass at s=1, c=0; it must be positive: "
                     f"{fit!r}"
                 )
+
+    def _new_correction(self) -> OnlineCorrection:
+        """A calibrated model's correction starts from its profile (1 / ema_alpha decaying pseudo-observations
+        at a = 1, d = 0); an uncalibrated one's from the first pass's ratio (module docstring)."""
+        if self._fit is None:
+            return OnlineCorrection(self._ema_alpha)
+        return OnlineCorrection(self._ema_alpha, prior_weight=1.0 / self._ema_alpha, rescale=False)
 
     @property
     def roofline(self) -> RooflineModel:

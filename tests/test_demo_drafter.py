@@ -7,11 +7,12 @@ never seen in training) at T = 0 with MAX_NEW_TOKENS new tokens each, one batch:
 - the chain policy (DFlash's single path of 15 drafted tokens) accepts more than CHAIN_TAU_FLOOR tokens per
   verify pass on average (bonus included), well above the 1.0 of an untrained drafter;
 - best-first trees of 64 nodes (`fixed:64`) accept more per verify pass than the chain;
-- the adaptive policy, planning with a GPU-shaped latency profile (the Qwen3-8B / H100 calibrated roofline of
-  tests/calibration_profiles.py, where a verify pass costs nearly the same from 1 to a few hundred tokens;
-  the EMA nearly frozen, α = 1e-6, so the CPU's own timings do not reshape it), grows trees and accepts more
-  per verify pass than the chain. With a CPU profile it would rightly choose small trees (verify cost rises
-  steeply with width on a CPU), which says nothing about its τ.
+- the adaptive policy, planning with a GPU-shaped latency profile (SERVING_FIT: a verify pass of the target
+  costs about a plain decode step, 18 ms vs 17 ms, nearly the same from 1 to a few hundred tokens, and the
+  drafter 2 ms, as for a memory-bound target on a GPU; the profile weighed as 1 / α = 1e6 passes, so the
+  CPU's own timings do not reshape it), grows trees and accepts more per verify pass than the chain. With a
+  CPU profile it would rightly choose small trees or plain decoding (verify cost rises steeply with width on
+  a CPU, and a plain step costs half a speculative one), which says nothing about its τ.
 τ = completion tokens / verify passes, summed over the requests (SGLang's `spec_verify_ct`).
 """
 
@@ -24,10 +25,11 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from calibration_profiles import make_profile  # noqa: E402
+from calibration_profiles import TRUE_FIT, make_profile, synthetic_samples  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from bastion_sglang.config import BastionConfig  # noqa: E402
+from bastion_sglang.controller.latency import DecodeFit  # noqa: E402
 from bastion_sglang.controller.profile import save_profile  # noqa: E402
 from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
 from bastion_sglang.registration import attach_config, make_config  # noqa: E402
@@ -44,6 +46,10 @@ PROMPTS_PER_SET = 4
 MAX_NEW_TOKENS = 48
 CHAIN_TAU_FLOOR = 1.5
 MAX_DRAFTER_BYTES = 25 * 1024 * 1024
+SERVING_FIT = TRUE_FIT.model_copy(
+    update={"beta_fixed": 18e-3, "decode": DecodeFit(beta=17e-3, alpha_attn=1.4)}
+)
+"""A memory-bound serving engine: verify and plain decode cost about the same fixed time at any width."""
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +105,7 @@ def taus(
     target: Path, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, float]:
     gpu_profile = tmp_path_factory.mktemp("profile") / "qwen3-8b-h100.json"
-    save_profile(make_profile(), gpu_profile)
+    save_profile(make_profile(synthetic_samples(SERVING_FIT)), gpu_profile)
     configs = {
         "chain": make_config(policy="chain"),
         "fixed:64": make_config(policy="fixed:64"),

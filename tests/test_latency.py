@@ -416,15 +416,43 @@ def test_online_correction_is_bounded(roofline: RooflineModel) -> None:
     for step in range(40):
         s = (2, 64, 512)[step % 3]
         model.observe(s, 100, 1e-6 * offline.predict(s, 100))
-    base = model.verify_correction.base  # the first pass's ratio fixes the scale, however far off
-    assert base == pytest.approx(1e-6)
+    assert model.verify_correction.base == 1.0  # a calibrated model is never rescaled by a pass
     for s in (2, 64, 512, 1024):
-        assert model.predict(s, 100) >= CORRECTION_FLOOR * base * offline.predict(s, 100) > 0
-    assert model.verify_correction.scale >= SCALE_BOUNDS[0]
+        assert model.predict(s, 100) >= CORRECTION_FLOOR * offline.predict(s, 100) > 0
+    assert model.verify_correction.scale == SCALE_BOUNDS[0]
     for _ in range(40):
         model.observe(64, 100, 1e3 * offline.predict(64, 100))
     assert model.verify_correction.scale <= SCALE_BOUNDS[1]
     assert model.predict(2, 100) > 0
+
+
+def test_uncalibrated_correction_takes_its_scale_from_the_first_pass(roofline: RooflineModel) -> None:
+    model = LatencyModel(roofline, ema_alpha=0.5)
+    offline = LatencyModel(roofline)
+    for step in range(40):
+        s = (2, 64, 512)[step % 3]
+        model.observe(s, 100, 1e-6 * offline.predict(s, 100))
+    base = model.verify_correction.base  # the first pass's ratio fixes the scale, however far off
+    assert base == pytest.approx(1e-6)
+    for s in (2, 64, 512):
+        assert model.predict(s, 100) == pytest.approx(1e-6 * offline.predict(s, 100), rel=0.01)
+        assert model.predict(s, 100) >= CORRECTION_FLOOR * base * offline.predict(s, 100) > 0
+
+
+@pytest.mark.parametrize(("ema_alpha", "kept"), [(1e-6, True), (0.1, False)])
+def test_calibrated_correction_weighs_the_profile_as_one_over_ema_alpha_passes(
+    roofline: RooflineModel, ema_alpha: float, kept: bool
+) -> None:
+    """A profile counts as 1 / ema_alpha passes that decay like measured ones: a tiny ema_alpha keeps it
+    against 60 passes twice as slow, the default hands over to them."""
+    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=ema_alpha)
+    offline = LatencyModel(roofline, TRUE_FIT)
+    for step in range(ONLINE_STEPS):
+        s, c = ONLINE_POINTS[step % len(ONLINE_POINTS)]
+        model.observe(s, c, 2.0 * offline.predict(s, c))
+    expected = 1.0 if kept else 2.0
+    for s, c in ONLINE_CHECK:
+        assert model.predict(s, c) == pytest.approx(expected * offline.predict(s, c), rel=0.02), (s, c)
 
 
 def test_online_correction_single_update_fits_the_observation() -> None:
@@ -445,7 +473,7 @@ def test_batch_observation_uses_the_padded_batch(roofline: RooflineModel) -> Non
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=1.0, width_buckets=[16, 32])
     base = model.predict_batch([3, 20], [100, 200])
     model.observe_batch([3, 20], [100, 200], 0.5 * base)
-    assert model.verify_correction.reference == pytest.approx((0.5 * base, 64), rel=1e-12)
+    assert model.verify_correction.reference == pytest.approx((base, 64), rel=1e-12)
     assert model.predict_batch([3, 20], [100, 200]) == pytest.approx(0.5 * base, rel=0.01)
 
 
