@@ -201,6 +201,8 @@ def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo
     logits: [B * W, V] float (penalties and biases applied). Softmax of logits / temperature, then, on the
     descending sort: ranks >= top_k dropped, tokens whose preceding cumulative mass exceeds top_p dropped,
     tokens below min_p x the top probability dropped (SGLang's `top_k_top_p_min_p_sampling_from_probs_torch`).
+    When no request of the batch sets top-k, top-p or min-p: the softmax itself, as SGLang's sampler takes it
+    then (its simple sampling case, no sort over the vocabulary).
     Returns [B, W, V] unnormalised non-negative weights (sampling normalises).
     """
     rows, vocab = logits.shape
@@ -210,6 +212,12 @@ def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo
         return torch.repeat_interleave(values.reshape(batch, -1)[:, :1], width, dim=0)
 
     probs = torch.softmax(logits.float() / per_position(sampling_info.temperatures), dim=-1)
+    if not (
+        sampling_info.need_top_k_sampling
+        or sampling_info.need_top_p_sampling
+        or sampling_info.need_min_p_sampling
+    ):
+        return probs.view(batch, width, vocab)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     cumulative = torch.cumsum(sorted_probs, dim=-1)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -438,7 +446,12 @@ class BastionWorker(DFlashWorkerV2):
                 else None
             )
         with self._timer.stage("verify"):
-            target_out = self._verify(batch, verify_rows, mask, slots, prefix_cpu, shape)
+            if width == 1 and self._runs_plain_decode():
+                target_out = self._decode_plain(
+                    batch, draft_input.bonus_tokens, slots[:, 0], prefix, prefix_cpu
+                )
+            else:
+                target_out = self._verify(batch, verify_rows, mask, slots, prefix_cpu, shape)
         with self._timer.stage("accept"):
             logits_output = target_out.logits_output
             # [B * W, V] of the real positions; contiguous so the in-place adjustments below land in the
@@ -571,6 +584,51 @@ class BastionWorker(DFlashWorkerV2):
             hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
             weight = self._lm_head_weight
             return torch.matmul(hidden.to(weight.dtype), weight.T)
+
+    def _runs_plain_decode(self) -> bool:
+        """Whether a plain step (no draft node) runs SGLang's own DECODE forward: where the target replays no
+        CUDA graph (a graph captured for verify widths must not replay a one-token decode). Elsewhere a plain
+        step verifies a width of 1."""
+        return self.target_worker.model_runner.decode_cuda_graph_runner is None
+
+    def _decode_plain(
+        self,
+        batch: ScheduleBatch,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        prefix: torch.Tensor,
+        prefix_cpu: torch.Tensor,
+    ) -> GenerationBatchResult:
+        """The target's plain DECODE forward of one token per request, as SGLang runs it without speculation
+        (no tree mask, no verify layout), with the drafter's feature layers captured for the commit.
+
+        tokens: [B] the roots (bonus tokens); slots: [B] KV slots at position L_b; prefix: [B] committed
+        lengths L_b (prefix_cpu: their host copy). Returns the result of a verify of width 1: logits [B, V],
+        hidden states [B, H]. The scheduler's batch fields it changes are restored before it returns.
+        """
+        fields = ("forward_mode", "spec_info", "input_ids", "out_cache_loc", "seq_lens", "seq_lens_cpu")
+        saved = {name: getattr(batch, name) for name in (*fields, "orig_seq_lens", "seq_lens_sum")}
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None
+        batch.input_ids = tokens
+        batch.out_cache_loc = slots
+        batch.seq_lens = (prefix + 1).to(saved["seq_lens"].dtype)
+        batch.seq_lens_cpu = prefix_cpu + 1
+        batch.orig_seq_lens = batch.seq_lens.to(saved["orig_seq_lens"].dtype)
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        try:
+            forward_batch = ForwardBatch.init_new(
+                batch,
+                self.target_worker.model_runner,
+                capture_hidden_mode=CaptureHiddenMode.FULL,
+                return_hidden_states_before_norm=False,
+            )
+            return self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True
+            )
+        finally:
+            for name, value in saved.items():
+                setattr(batch, name, value)
 
     def _verify(
         self,

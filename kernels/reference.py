@@ -289,12 +289,17 @@ def tree_attention(
     q: [T, Hq, Dh]; k, v: [S, Hkv, Dh] with Hq a multiple of Hkv (query head h reads kv head
     h // (Hq / Hkv)); mask: [T, S] bool, True = may attend (every row needs at least one True).
     scale: factor on q·k. Computes in at least float32; returns [T, Hq, Dh] in q's dtype.
+    One fused `scaled_dot_product_attention` call (grouped heads read in place, no repeated K/V): the
+    torch_native backend attends plain decode steps the same way, so a verify pass and a decode step
+    round alike.
     """
     compute = torch.promote_types(q.dtype, torch.float32)
-    group = q.shape[1] // k.shape[1]
-    keys = k.to(compute).repeat_interleave(group, dim=1)
-    values = v.to(compute).repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.to(compute), keys) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    return torch.einsum("hts,shd->thd", weights, values).to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(compute).transpose(0, 1)[None],
+        k.to(compute).transpose(0, 1)[None],
+        v.to(compute).transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1).to(q.dtype)
