@@ -239,9 +239,14 @@ def plan_batch(
     that `may_decline` returns `plain_plan` when its best speculative plan's estimated speedup is <= 1.
     With `common_width` (SGLang's verify needs one width per batch) every request verifies the same n:
     adaptive takes the first drop of Σ_i Â_i(n) / Ĉ(n) (a sum of concave curves over a convex cost, so
-    unimodal); bucketed takes the best bucket; fixed and chain take their n. Without `common_width` the
-    nodes are handed out greedily by ρ across requests (exact for a sum of concave Â_i at any total) and
-    adaptive stops at the first drop of the objective along that order.
+    unimodal); bucketed takes the best bucket; fixed and chain take their n. A common width is also the best
+    ragged plan there: the pass costs Ĉ at B requests × W tokens whatever each request verifies (every row is
+    padded to W), so verifying fewer than W - 1 nodes for a request the drafter predicts badly saves nothing
+    and only lowers its Â; such requests are priced in by Σ_i Â_i and, when no request gains enough, the
+    whole batch declines (n = 0). Without `common_width` (an engine that verifies ragged widths, where the
+    pass costs Σ_i (n_i + 1) tokens) the nodes are handed out greedily by ρ across requests (exact for a sum
+    of concave Â_i at any total), so requests the drafter predicts badly keep n_i = 0 while others
+    speculate, and adaptive stops at the first drop of the objective along that order.
     trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Syncs scores to the host.
     """
     batch = trees.batch_size

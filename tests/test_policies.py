@@ -224,6 +224,32 @@ def test_plan_batch_ragged_hands_out_nodes_by_score() -> None:
     assert batch_objective(trees, more, contexts, model) < plan.estimated_speedup
 
 
+def mixed_trees(budget: int):
+    """Row 0: a drafter that knows the text (one token carries almost all mass at every depth); row 1: a
+    hopeless one (flat over 4096 tokens)."""
+    confident = torch.full((15, 4096), -40.0, dtype=torch.float64)
+    confident[:, 0] = 0.0
+    flat = torch.zeros(15, 4096, dtype=torch.float64)
+    logits = torch.stack([confident, flat])
+    top = torch.log_softmax(logits, -1).topk(32, -1)
+    return build_trees(top.values, top.indices, budget)
+
+
+def test_ragged_plan_gives_a_hopeless_request_no_node_while_another_speculates() -> None:
+    trees = mixed_trees(64)
+    contexts = [256, 256]
+    model = latency(alpha_tok=2e-4)
+    ragged = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=False, allow_plain=True)
+    assert ragged.node_counts[1] == 0 and ragged.node_counts[0] >= 8
+    assert ragged.expected_accept[0] > 8.0 and ragged.expected_accept[1] == 1.0
+    # every other allocation that moves a node between the rows is worse
+    for counts in ([ragged.node_counts[0] - 1, 1], [ragged.node_counts[0] + 1, 0]):
+        assert batch_objective(trees, counts, contexts, model) < ragged.estimated_speedup
+    # with one padded width (SGLang's verify) both rows get the same n: nodes up to the width are free
+    common = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), allow_plain=True)
+    assert common.node_counts[0] == common.node_counts[1] > 0
+
+
 def test_plan_batch_rejects_mismatched_contexts() -> None:
     trees = batch_trees(2, 8, 0)
     with pytest.raises(ValueError, match="ctx_lens has 3 entries for a batch of 2"):
