@@ -54,6 +54,7 @@ from bastion_sglang.calibration.lookup import (
     resolve_latency_profile,
 )
 from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
+from bastion_sglang.calibration.microbench import datasheet_or_measured, measure_peaks
 from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
@@ -62,7 +63,7 @@ from bastion_sglang.controller.gate import SpeculationGate
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
+from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.graph_buckets import VerifyRows, VerifyShape, pad_verify_rows, planning_widths, real_rows
 from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
@@ -145,11 +146,29 @@ def worker_latency_model(
         logger.info("BASTION: planning with latency profile %s", resolved.path)
         hardware = None
     else:
-        hardware = CPU_HARDWARE if device.type == "cpu" else lookup_gpu(torch.cuda.get_device_name(device))
+        hardware = planning_hardware(device, dtype)
     latency = build_calibrated_latency_model(
         resolved, target_config, hardware, config.ema_alpha, width_buckets
     )
     return latency, None if resolved.profile is None else resolved.profile.step_costs
+
+
+def planning_hardware(device: torch.device, dtype: torch.dtype) -> HardwareSpec:
+    """Peaks of the uncalibrated roofline: CPU_HARDWARE on a CPU; a GPU's datasheet entry, or, for a GPU the
+    table does not list, its peaks measured now (`measure_peaks`, a second or two), with a warning."""
+    if device.type == "cpu":
+        return CPU_HARDWARE
+    name = torch.cuda.get_device_name(device)
+    hardware, measured = datasheet_or_measured(name, lambda: measure_peaks(device, dtype, name))
+    if measured:
+        logger.warning(
+            "BASTION: no datasheet entry for GPU %r; the uncalibrated roofline uses peaks measured at "
+            "start-up: %.1f TFLOP/s, %.0f GB/s",
+            name,
+            hardware.peak_flops / 1e12,
+            hardware.bandwidth / 1e9,
+        )
+    return hardware
 
 
 def resolve_worker_profile(

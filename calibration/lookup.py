@@ -6,8 +6,10 @@ Rules of `resolve_latency_profile(spec, identity, store)`:
   engine when the identity names one) gives a warning naming both values.
 - spec is "auto": the newest profile of the store whose metadata matches the identity in every field.
   None matches: no profile, and one warning naming the `bastion calibrate` command that would make one.
-- An unreadable, corrupt, truncated or wrong-version file (the explicit one, or any file of the store
-  for "auto") raises `ProfileError` naming the file: the server refuses to start rather than guess.
+- An unreadable, corrupt, truncated or wrong-version file raises `ProfileError` naming the file when it is
+  the explicit one, or, for "auto", a store file whose name says it was measured for this runtime: the
+  server refuses to start rather than plan without the profile meant for it. Other unusable files of the
+  store are skipped with one warning each, so one broken file in a shared store stops no server.
 
 Warnings are returned, not logged: the caller logs them once (the server at start-up, the CLI prints them).
 """
@@ -87,11 +89,16 @@ def resolve_latency_profile(
 ) -> ResolvedProfile:
     """Pick the profile for `identity` following the module's rules. spec: "auto" or a profile path.
 
-    Raises ProfileError (naming the file) for an unusable explicit file or any unusable file in the store
-    when spec is "auto"; ValueError for an empty spec.
+    Raises ProfileError (naming the file) for an unusable explicit file, or with "auto" for an unusable
+    store file named for this runtime (`store.named_for`); other unusable store files are skipped with a
+    warning naming each. ValueError for an empty spec.
     """
     if isinstance(spec, str) and spec.strip().lower() == AUTO:
-        match = store.find_profile(identity)
+        search = store.find_profile(identity)
+        skipped = tuple(
+            f"skipped an unreadable file of the profile store: {entry.error}" for entry in search.skipped
+        )
+        match = search.match
         if match is None:
             warning = (
                 f"no latency profile in {store.root} matches device {identity.device_name!r}, model config "
@@ -101,8 +108,8 @@ def resolve_latency_profile(
                 + "; planning with the uncalibrated roofline corrected online. Measure one with: "
                 + calibrate_command(identity, store)
             )
-            return ResolvedProfile(None, ProfileSource.NONE, None, identity, (warning,))
-        return ResolvedProfile(match.profile, ProfileSource.STORE, match.path, identity, ())
+            return ResolvedProfile(None, ProfileSource.NONE, None, identity, (*skipped, warning))
+        return ResolvedProfile(match.profile, ProfileSource.STORE, match.path, identity, skipped)
     if not str(spec).strip():
         raise ValueError("the latency profile spec is empty: pass 'auto' or a profile path")
     path = Path(spec)

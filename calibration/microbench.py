@@ -13,6 +13,8 @@ The measured figures are printed next to the datasheet entry of `KNOWN_GPUS` for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
@@ -107,3 +109,13 @@ def datasheet_comparison(peaks: MeasuredPeaks) -> list[str]:
         f"measured / datasheet: matmul {peaks.matmul_flops / sheet.peak_flops:.0%}, "
         f"bandwidth {peaks.copy_bandwidth / sheet.bandwidth:.0%}; the roofline uses the measured peaks",
     ]
+
+
+def datasheet_or_measured(name: str, measure: Callable[[], MeasuredPeaks]) -> tuple[HardwareSpec, bool]:
+    """Peaks for the uncalibrated roofline of a GPU named `name` (as CUDA reports it): its KNOWN_GPUS
+    datasheet entry, else the peaks `measure()` returns (e.g. `measure_peaks` on that device, a second or
+    two). Returns (spec, measured): measured is True when the datasheet had no entry."""
+    try:
+        return lookup_gpu(name), False
+    except ValueError:
+        return measure().hardware_spec(), True

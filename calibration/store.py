@@ -80,6 +80,15 @@ class ProfileMatch:
 
 
 @dataclass(frozen=True)
+class ProfileSearch:
+    """What `ProfileStore.find_profile` found: the matching profile (or None) and the unreadable files it
+    skipped."""
+
+    match: ProfileMatch | None
+    skipped: tuple[StoreEntry, ...]
+
+
+@dataclass(frozen=True)
 class ProfileStore:
     """A folder of calibration profiles. `root` need not exist yet (an empty store)."""
 
@@ -121,18 +130,41 @@ class ProfileStore:
                 entries.append(StoreEntry(path, None, error))
         return entries
 
-    def find_profile(self, identity: RuntimeIdentity) -> ProfileMatch | None:
-        """The newest profile (by `created_at`) whose metadata matches `identity` in every field, or None.
+    def find_profile(self, identity: RuntimeIdentity) -> ProfileSearch:
+        """The newest profile (by `created_at`) whose metadata matches `identity` in every field, if any.
 
-        Raises the ProfileError of the first unreadable, corrupt or wrong-version file in the store: a
-        store the server cannot fully read is refused, not silently skipped.
+        A file that cannot be read (unreadable, corrupt, wrong version) is skipped and listed in
+        `ProfileSearch.skipped`, so one broken file in a shared store does not stop servers of other
+        devices or models; but when its name says it was measured for `identity` (`named_for`), its
+        ProfileError is raised: the profile meant for this runtime is broken, and planning without it
+        would hide that.
         """
-        matches = []
+        matches, skipped = [], []
         for entry in self.list_profiles():
             if entry.error is not None:
-                raise entry.error
-            if entry.profile is not None and not identity.mismatches(entry.profile.metadata):
+                if named_for(entry.path, identity):
+                    raise entry.error
+                skipped.append(entry)
+            elif entry.profile is not None and not identity.mismatches(entry.profile.metadata):
                 matches.append(ProfileMatch(entry.path, entry.profile))
-        if not matches:
-            return None
-        return max(matches, key=lambda match: (match.profile.metadata.created_at, match.path.name))
+        best = max(
+            matches, key=lambda match: (match.profile.metadata.created_at, match.path.name), default=None
+        )
+        return ProfileSearch(best, tuple(skipped))
+
+
+def named_for(path: Path, identity: RuntimeIdentity) -> bool:
+    """Whether a store file's name (`profile_file_name`) names `identity`'s device, dtype, attention backend,
+    tp size, engine (when the identity has one) and model config hash."""
+    parts = path.name.removesuffix(PROFILE_SUFFIX).split("--")
+    if len(parts) != 8:
+        return False
+    device, _, dtype, backend, tp, engine, config_hash, _ = parts
+    return (
+        device == _slug(identity.device_name)
+        and dtype == _slug(identity.dtype)
+        and backend == _slug(identity.attention_backend)
+        and tp == f"tp{identity.tp_size}"
+        and (identity.engine is None or engine == identity.engine)
+        and config_hash == identity.model_config_hash[:12]
+    )

@@ -8,7 +8,12 @@ import pytest
 import torch
 from calibration_profiles import CONTEXTS, H100, QWEN3_8B, TRUE_FIT, WIDTHS, make_profile, synthetic_samples
 
-from bastion_sglang.calibration.microbench import MeasuredPeaks, datasheet_comparison, measure_peaks
+from bastion_sglang.calibration.microbench import (
+    MeasuredPeaks,
+    datasheet_comparison,
+    datasheet_or_measured,
+    measure_peaks,
+)
 from bastion_sglang.calibration.sweep import SweepSettings, aux_line, check_widths, context_grid, width_grid
 from bastion_sglang.calibration.timing import time_op
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
@@ -152,6 +157,25 @@ def test_gpu_peaks_are_compared_with_the_datasheet() -> None:
     text = "\n".join(datasheet_comparison(peaks))
     assert "datasheet (H100-SXM): matmul 989.40 TFLOP/s" in text
     assert "matmul 80%, bandwidth 90%" in text
+
+
+def test_a_gpu_missing_from_the_table_plans_with_measured_peaks() -> None:
+    """An H100 NVL (no datasheet entry) gets the peaks its measurement returns (measured here on the CPU:
+    the only device at hand); a listed GPU gets its datasheet entry and is not measured."""
+    measured: list[str] = []
+
+    def measure(name: str):
+        def run() -> MeasuredPeaks:
+            measured.append(name)
+            return measure_peaks(CPU, torch.float32, name)
+
+        return run
+
+    spec, was_measured = datasheet_or_measured("NVIDIA H100 NVL", measure("NVIDIA H100 NVL"))
+    assert was_measured and measured == ["NVIDIA H100 NVL"]
+    assert spec.name == "NVIDIA H100 NVL" and spec.peak_flops > 1e8 and spec.bandwidth > 1e8
+    known, was_measured = datasheet_or_measured("NVIDIA H100 80GB HBM3", measure("NVIDIA H100 80GB HBM3"))
+    assert known == H100 and not was_measured and measured == ["NVIDIA H100 NVL"]
 
 
 def test_identity_fit_is_recovered_from_the_bare_roofline_parts() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -22,7 +23,13 @@ from bastion_sglang.calibration.lookup import (
     resolve_latency_profile,
 )
 from bastion_sglang.calibration.profile_cli import list_lines
-from bastion_sglang.calibration.store import DEFAULT_STORE, STORE_ENV, ProfileStore, profile_file_name
+from bastion_sglang.calibration.store import (
+    DEFAULT_STORE,
+    STORE_ENV,
+    ProfileStore,
+    named_for,
+    profile_file_name,
+)
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import ProfileError, save_profile
 from bastion_sglang.controller.roofline import KNOWN_GPUS, RooflineModel
@@ -182,18 +189,37 @@ def test_unusable_explicit_profile_raises_naming_the_file(store: ProfileStore, b
 
 
 @pytest.mark.parametrize("breaker", sorted(BREAKERS))
-def test_unusable_file_in_the_store_refuses_auto_even_beside_a_match(
+def test_unusable_file_of_another_runtime_is_skipped_with_a_warning(
+    store: ProfileStore, breaker: str
+) -> None:
+    match = saved(store)
+    broken = saved(store, device_name="NVIDIA H200")
+    damage, detail = BREAKERS[breaker]
+    damage(broken)
+    resolved = resolve_latency_profile("auto", IDENTITY, store)
+    assert resolved.path == match and resolved.profile is not None
+    assert len(resolved.warnings) == 1
+    assert str(broken) in resolved.warnings[0] and re.search(detail, resolved.warnings[0])
+    # with no match the skipped file is named beside the calibrate command
+    match.unlink()
+    alone = resolve_latency_profile("auto", IDENTITY, store)
+    assert alone.profile is None and len(alone.warnings) == 2 and str(broken) in alone.warnings[0]
+    rows = "\n".join(list_lines(store, store.list_profiles()))
+    assert "INVALID" in rows and broken.name in rows
+
+
+@pytest.mark.parametrize("breaker", sorted(BREAKERS))
+def test_unusable_file_named_for_this_runtime_refuses_auto_even_beside_a_match(
     store: ProfileStore, breaker: str
 ) -> None:
     saved(store)
-    broken = saved(store, device_name="NVIDIA H200")
+    broken = saved(store, created_at=datetime(2026, 2, 1, tzinfo=UTC))
+    assert named_for(broken, IDENTITY) and not named_for(broken, IDENTITY.model_copy(update={"tp_size": 2}))
     damage, detail = BREAKERS[breaker]
     damage(broken)
     with pytest.raises(ProfileError, match=detail) as raised:
         resolve_latency_profile("auto", IDENTITY, store)
     assert raised.value.path == broken
-    rows = "\n".join(list_lines(store, store.list_profiles()))
-    assert "INVALID" in rows and broken.name in rows
 
 
 def test_temporary_and_hidden_files_are_not_profiles(store: ProfileStore) -> None:
