@@ -452,23 +452,24 @@ class BastionWorker(DFlashWorkerV2):
                     mode,
                 )
             rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
-            layout = kernels.build_verify_layout(rows, prefix)
-            verify_rows = pad_verify_rows(rows, layout, shape.width)
-            mask = kernels.flat_custom_mask(
-                verify_rows.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts))
-            )
             window = prefix[:, None] + self._width_offsets[: shape.width]  # [B, W_v] req_to_token columns
             slots = req_to_token[rows_index, window].to(torch.int64)  # [B, W_v] KV slots, padding last
-            grammar_tree = (
-                GrammarTree.from_device(layout.first_child, layout.next_sibling, rows.tokens)
-                if batch.has_grammar
-                else None
-            )
-        with self._timer.stage("verify"):
-            if width == 1 and self._runs_plain_decode():
-                target_out = self._decode_plain(
-                    batch, draft_input.bonus_tokens, slots[:, 0], prefix, prefix_cpu
+            # a plain step with no grammar decodes as SGLang does: no verify layout, mask or grammar tree
+            plain_decode = width == 1 and not batch.has_grammar and self._runs_plain_decode()
+            grammar_tree = None
+            if not plain_decode:
+                layout = kernels.build_verify_layout(rows, prefix)
+                verify_rows = pad_verify_rows(rows, layout, shape.width)
+                mask = kernels.flat_custom_mask(
+                    verify_rows.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts))
                 )
+                if batch.has_grammar:
+                    grammar_tree = GrammarTree.from_device(
+                        layout.first_child, layout.next_sibling, rows.tokens
+                    )
+        with self._timer.stage("verify"):
+            if plain_decode:
+                target_out = self._decode_plain(batch, rows.tokens[:, 0], slots[:, 0], prefix, prefix_cpu)
             else:
                 target_out = self._verify(batch, verify_rows, mask, slots, prefix_cpu, shape)
         with self._timer.stage("accept"):
