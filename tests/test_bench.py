@@ -1,22 +1,32 @@
-"""`bastion bench` end to end on CPU, and its argument errors.
+"""`bastion bench` end to end on CPU, its aggregation functions, and its argument errors.
 
-One run of `bastion bench` (module-scoped: two Engines take about a minute on two cores) with the tiny
-random fp32 Qwen3 target and DFlash drafter of tests/tiny_models.py, a JSONL file of two prompts, policies
-ar and chain at T = 0: the JSON report validates as `BenchReport`, the numbers obey their definitions, the
-chain row's mean budget is what ChainPolicy verifies, and the plot is a PNG. The error tests start no Engine.
+One run of `bastion bench` (module-scoped: two repeats of two Engines, about half a minute each on two cores)
+with the tiny random fp32 Qwen3 target and DFlash drafter of tests/tiny_models.py, a JSONL file of two
+prompts, policies ar and chain at T = 0, `--repeats 2`: the JSON report validates as `BenchReport`, every
+repeat's numbers obey their definitions, the medians lie within their spread, the second repeat runs the
+policies in the other order, the chain row's mean budget is what ChainPolicy verifies, the best policy in
+hindsight is the one with the highest median, and the plot is a PNG. The other tests start no Engine: the
+aggregation over repeats, decode timing from synthetic chunk arrivals, the streamed-batch protocol on a
+stand-in Engine, and the argument errors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import statistics
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang import cli
 from bastion_sglang.bench import (
+    DEFAULT_MAX_BUDGET,
+    DEFAULT_POLICIES,
     EXPECTED_METRIC,
     EXPECTED_RAW_METRIC,
     LATENCY_ERROR_METRIC,
@@ -25,14 +35,29 @@ from bastion_sglang.bench import (
     REPORT_NAME,
     STAGE_NAMES,
     TREE_NODES_METRIC,
+    WORKER_METRICS,
     BenchPolicy,
     BenchReport,
     BenchRow,
+    ChunkArrival,
+    DecodeTiming,
     EstimateSummary,
     HistogramTotals,
     Measured,
+    RepeatMeasurement,
+    Spread,
+    TemperatureRun,
     WorkerTotals,
+    decode_timing,
+    latency_percentiles_ms,
     make_row,
+    parse_policies,
+    pooled_timing,
+    repeat_measurement,
+    repeat_order,
+    stream_batch,
+    summarize,
+    summary_line,
     with_speedups,
 )
 
@@ -41,6 +66,8 @@ BLOCK_SIZE = 16
 CHAIN_NODES = min(MAX_BUDGET, BLOCK_SIZE - 1)
 """ChainPolicy verifies the whole top-1 path: a node per draft position (γ - 1 of them), at most N_max."""
 MAX_NEW_TOKENS = 12
+REPEATS = 2
+CONCURRENCY = 2
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROMPTS = ({"id": "greeting", "prompt": "hello world"}, {"turns": ["the quick brown fox"]})
 
@@ -61,10 +88,10 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchReport, Pa
     argv = [
         "bench",
         "--model-path", str(target), "--draft-model-path", str(drafter), "--prompts", str(prompts),
-        "--policies", "ar,chain", "--device", "cpu", "--dtype", "float32", "--concurrency", "2",
+        "--policies", "ar,chain", "--device", "cpu", "--dtype", "float32", "--concurrency", str(CONCURRENCY),
         "--max-new-tokens", str(MAX_NEW_TOKENS), "--ignore-eos", "--max-budget", str(MAX_BUDGET),
-        "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--sglang-log-level", "error",
-        "--out", str(out),
+        "--repeats", str(REPEATS), "--mem-fraction-static", "0.05", "--max-total-tokens", "8192",
+        "--sglang-log-level", "error", "--out", str(out),
     ]  # fmt: skip
     stdout = root / "stdout.txt"
     with stdout.open("w") as handle, contextlib.redirect_stdout(handle):
@@ -75,18 +102,49 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchReport, Pa
 
 
 @pytest.mark.slow
-def test_report_rows(bench_run: tuple[BenchReport, Path, str]) -> None:
+def test_report_settings_and_repeat_orders(bench_run: tuple[BenchReport, Path, str]) -> None:
     report, _, _ = bench_run
     assert [(row.policy, row.temperature) for row in report.rows] == [("ar", 0.0), ("chain", 0.0)]
     assert report.settings.num_prompts == len(PROMPTS)
     assert report.settings.split == "all"  # a prompt file is used whole
     assert report.settings.device == "cpu"
+    assert report.settings.repeats == REPEATS
     assert {"sglang", "torch", "bastion-sglang"} <= set(report.versions)
-    for row in report.rows:
-        assert row.requests == len(PROMPTS)
-        assert row.completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
-        assert row.tokens_per_second > 0
-        assert row.tokens_per_second == pytest.approx(row.completion_tokens / row.wall_seconds)
+    assert report.repeat_orders == (("ar", "chain"), ("chain", "ar"))  # rotated: repeat 2 starts with chain
+
+
+@pytest.mark.slow
+def test_every_repeat_obeys_the_definitions(bench_run: tuple[BenchReport, Path, str]) -> None:
+    for row in bench_run[0].rows:
+        assert [m.repeat for m in row.per_repeat] == list(range(1, REPEATS + 1))
+        for m in row.per_repeat:
+            assert m.requests == len(PROMPTS)
+            assert m.completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
+            # the first chunk of each request holds the prefill's token; the rest is decode
+            assert m.decode_tokens == m.completion_tokens - m.requests
+            assert m.tokens_per_second == pytest.approx(m.completion_tokens / m.wall_seconds)
+            assert m.decode_tokens_per_second == pytest.approx(m.decode_tokens / m.decode_seconds)
+            # each request decodes inside its batch's generate call
+            assert m.decode_seconds <= CONCURRENCY * m.wall_seconds
+            assert 0 < m.token_latency_p50_ms <= m.token_latency_p90_ms
+
+
+@pytest.mark.slow
+def test_rows_aggregate_the_repeats(bench_run: tuple[BenchReport, Path, str]) -> None:
+    for row in bench_run[0].rows:
+        for spread, values in (
+            (row.decode_tokens_per_second, [m.decode_tokens_per_second for m in row.per_repeat]),
+            (row.tokens_per_second, [m.tokens_per_second for m in row.per_repeat]),
+        ):
+            assert (spread.min, spread.max) == (min(values), max(values))
+            assert spread.median == pytest.approx(statistics.median(values))
+            assert spread.min <= spread.median <= spread.max
+        assert row.token_latency_p50_ms == pytest.approx(
+            statistics.median(m.token_latency_p50_ms for m in row.per_repeat)
+        )
+        assert row.token_latency_p50_ms <= row.token_latency_p90_ms
+        assert row.requests == REPEATS * len(PROMPTS)
+        assert row.completion_tokens == sum(m.completion_tokens for m in row.per_repeat)
 
 
 @pytest.mark.slow
@@ -94,18 +152,23 @@ def test_ar_row(bench_run: tuple[BenchReport, Path, str]) -> None:
     ar = bench_run[0].rows[0]
     assert ar.mean_accept_length == 1.0
     assert ar.verify_passes is None
+    assert all(m.verify_passes is None for m in ar.per_repeat)
     assert ar.mean_budget is None
-    assert ar.speedup == 1.0
+    assert ar.speedup == 1.0 and ar.wall_speedup == 1.0
 
 
 @pytest.mark.slow
 def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
     ar, chain = bench_run[0].rows
     assert chain.verify_passes is not None and 0 < chain.verify_passes <= chain.completion_tokens
+    assert chain.verify_passes == sum(m.verify_passes or 0 for m in chain.per_repeat)
     assert chain.mean_accept_length == pytest.approx(chain.completion_tokens / chain.verify_passes)
     assert chain.mean_accept_length >= 1.0
     assert chain.mean_budget == CHAIN_NODES
-    assert chain.speedup == pytest.approx(chain.tokens_per_second / ar.tokens_per_second)
+    assert chain.speedup == pytest.approx(
+        chain.decode_tokens_per_second.median / ar.decode_tokens_per_second.median
+    )
+    assert chain.wall_speedup == pytest.approx(chain.tokens_per_second.median / ar.tokens_per_second.median)
     # the controller's estimate over the same steps; the worker counts what each decode step committed
     # (τ above also counts the prefill's first token, so the two differ)
     assert chain.realised_accept_length is not None and chain.realised_accept_length >= 1.0
@@ -119,13 +182,30 @@ def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
 
 
 @pytest.mark.slow
+def test_best_in_hindsight(bench_run: tuple[BenchReport, Path, str]) -> None:
+    report, _, stdout = bench_run
+    (summary,) = report.summaries
+    best = max(report.rows, key=lambda row: row.decode_tokens_per_second.median)
+    assert summary.temperature == 0.0
+    assert summary.best_policy == best.policy
+    assert summary.best_decode_tokens_per_second == best.decode_tokens_per_second.median
+    assert summary.adaptive_vs_best is None and summary.adaptive_vs_ar is None  # adaptive was not run
+    assert (
+        f"T=0: best {best.policy} ({best.decode_tokens_per_second.median:.1f} tok/s)" in stdout.splitlines()
+    )
+
+
+@pytest.mark.slow
 def test_table_and_plot(bench_run: tuple[BenchReport, Path, str]) -> None:
     _, out, stdout = bench_run
     assert (out / PLOT_NAME).read_bytes().startswith(PNG_MAGIC)
     lines = stdout.splitlines()
-    assert lines[0].split()[:4] == ["policy", "T", "tokens/s", "tau"]
+    assert lines[0].split()[:5] == ["policy", "T", "decode/s", "min", "max"]
     assert [line.split()[0] for line in lines[2:4]] == ["ar", "chain"]
     assert f"{CHAIN_NODES:.1f}" in lines[3].split()
+
+
+# ---- argument errors (no Engine) ------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -147,6 +227,7 @@ def model_dirs(tmp_path: Path) -> tuple[Path, Path]:
         (["--policies", "ar,fixed:0"], "'fixed:0'"),
         (["--policies", "ar,fixed:300", "--max-budget", "64"], "300 nodes exceed --max-budget 64"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
         (["--temperatures", "0,hot"], "'hot' is not a number"),
     ],
 )
@@ -162,6 +243,29 @@ def test_argument_errors(
     base = ["bench", "--model-path", str(target), "--draft-model-path", str(drafter), "--device", "cpu"]
     assert cli.main([*base, "--prompts", str(prompts), *options]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "argument --repeats: must be >= 1, got 0"),
+        ("two", "argument --repeats: 'two' is not an integer"),
+    ],
+)
+def test_repeats_must_be_a_positive_integer(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--repeats", value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_policies_fit_the_default_max_budget() -> None:
+    policies = parse_policies(DEFAULT_POLICIES, DEFAULT_MAX_BUDGET)
+    assert [p.name for p in policies][:2] == ["ar", "chain"] and policies[-1].name == "adaptive"
+    fixed = [int(p.name.removeprefix("fixed:")) for p in policies if p.name.startswith("fixed:")]
+    assert max(fixed) == DEFAULT_MAX_BUDGET
 
 
 def test_dflash_on_cpu_names_cuda(model_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,35 +303,197 @@ def test_malformed_prompt_file(
     assert f"{prompts}:2: not a prompt record" in capsys.readouterr().err
 
 
-def _row(policy: str, temperature: float, tokens_per_second: float) -> BenchRow:
-    return BenchRow(
-        policy=policy,
-        temperature=temperature,
-        requests=1,
-        completion_tokens=int(tokens_per_second),
-        verify_passes=None if policy == "ar" else 1,
-        wall_seconds=1.0,
-        tokens_per_second=tokens_per_second,
-        mean_accept_length=1.0,
-        mean_budget=None,
-        speedup=None,
+# ---- timing of streamed chunks (no Engine) ----------------------------------------------------------------
+
+
+def test_decode_timing_from_synthetic_chunk_arrivals() -> None:
+    arrivals = [
+        ChunkArrival(10.0, 1),  # the prefill's token: starts the clock, gives no sample
+        ChunkArrival(10.5, 2),  # 1 token after 0.5 s
+        ChunkArrival(10.7, 2),  # no new token: skipped
+        ChunkArrival(11.1, 5),  # 3 tokens after 0.6 s (since 10.5): 3 samples of 0.2 s
+        ChunkArrival(11.3, 6),  # 1 token after 0.2 s
+    ]
+    timing = decode_timing(arrivals)
+    assert timing.decode_tokens == 5  # completion_tokens - 1
+    assert timing.decode_seconds == pytest.approx(1.3)
+    assert timing.token_latencies == pytest.approx([0.5, 0.2, 0.2, 0.2, 0.2])
+    assert sum(timing.token_latencies) == pytest.approx(timing.decode_seconds)
+    assert decode_timing([ChunkArrival(3.0, 1)]) == DecodeTiming(0, 0.0, ())  # done in its first chunk
+    assert decode_timing([]) == DecodeTiming(0, 0.0, ())
+
+
+def test_pooled_timing_and_percentiles() -> None:
+    pooled = pooled_timing([DecodeTiming(1, 0.5, (0.5,)), DecodeTiming(4, 0.8, (0.2, 0.2, 0.2, 0.2))])
+    assert pooled == DecodeTiming(5, 1.3, (0.5, 0.2, 0.2, 0.2, 0.2))
+    p50, p90 = latency_percentiles_ms(pooled.token_latencies)
+    assert p50 == pytest.approx(200.0)
+    assert p90 == pytest.approx(380.0)  # sorted [.2, .2, .2, .2, .5]: 0.6 of the way from .2 to .5
+
+
+class _StandInEngine:
+    """Streams chunks the way SGLang 0.5.23's Engine does for a batch: interleaved, tagged with `index`,
+    cumulative completion_tokens, spec_verify_ct only in a request's finished chunk."""
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.chunks = chunks
+        self.calls: list[dict[str, Any]] = []
+
+    def generate(self, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        self.calls.append(kwargs)
+        return iter(self.chunks)
+
+
+def _chunk(index: int, tokens: int, finished: bool = False, passes: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "completion_tokens": tokens,
+        "finish_reason": {"type": "length"} if finished else None,
+    }
+    if passes is not None:
+        meta["spec_verify_ct"] = passes
+    return {"index": index, "output_ids": [], "meta_info": meta}
+
+
+def test_stream_batch_groups_interleaved_chunks_by_index() -> None:
+    engine = _StandInEngine(
+        [_chunk(1, 1), _chunk(0, 1), _chunk(0, 3), _chunk(1, 4, True, 2), _chunk(0, 4, True, 3)]
     )
+    first, second = stream_batch(engine, [[1, 2], [3]], [{"temperature": 0.0}, {"temperature": 0.0}])
+    assert engine.calls[0]["stream"] is True and engine.calls[0]["input_ids"] == [[1, 2], [3]]
+    assert [a.completion_tokens for a in first.arrivals] == [1, 3, 4]
+    assert [a.completion_tokens for a in second.arrivals] == [1, 4]
+    assert (first.completion_tokens, first.verify_passes) == (4, 3)
+    assert (second.completion_tokens, second.verify_passes) == (4, 2)
+    measured = Measured.of([first, second], 1.0, None)
+    assert (measured.completion_tokens, measured.verify_passes, measured.decode.decode_tokens) == (8, 5, 6)
 
 
-def test_speedups_compare_with_ar_at_the_same_temperature() -> None:
-    rows = with_speedups([_row("ar", 0.0, 10), _row("chain", 0.0, 25), _row("chain", 0.7, 30)])
-    assert [row.speedup for row in rows] == [1.0, 2.5, None]  # no ar row at T = 0.7
+def test_stream_batch_rejects_aborted_and_unfinished_requests() -> None:
+    aborted = _chunk(0, 1)
+    aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory"}
+    with pytest.raises(RuntimeError, match="aborted request 0 of a batch: out of memory"):
+        stream_batch(_StandInEngine([aborted]), [[1]], [{}])
+    with pytest.raises(RuntimeError, match=r"requests \[1\]: stream ended early"):
+        stream_batch(_StandInEngine([_chunk(0, 2, True), _chunk(1, 1)]), [[1], [2]], [{}, {}])
+
+
+# ---- aggregation over repeats (no Engine) ----------------------------------------------------------------
+
+
+def test_spread_of_known_values() -> None:
+    assert Spread.of([3.0, 1.0, 2.0]) == Spread(median=2.0, min=1.0, max=3.0)
+    assert Spread.of([1.0, 4.0]).median == 2.5
+    assert Spread.of([7.0]) == Spread(median=7.0, min=7.0, max=7.0)
+    with pytest.raises(ValidationError, match="min <= median <= max"):
+        Spread(median=5.0, min=1.0, max=3.0)
+
+
+def test_repeat_order_rotates_by_one_per_repeat() -> None:
+    policies = tuple(BenchPolicy(name, "bastion") for name in ("chain", "fixed:4", "adaptive"))
+    orders = [[p.name for p in repeat_order(policies, r)] for r in range(4)]
+    assert orders == [
+        ["chain", "fixed:4", "adaptive"],
+        ["fixed:4", "adaptive", "chain"],
+        ["adaptive", "chain", "fixed:4"],
+        ["chain", "fixed:4", "adaptive"],
+    ]
+
+
+def _measurement(
+    repeat: int, decode_rate: float, wall_rate: float, passes: int | None = None, p50: float = 10.0
+) -> RepeatMeasurement:
+    return RepeatMeasurement(
+        repeat=repeat,
+        requests=2,
+        completion_tokens=24,
+        verify_passes=passes,
+        wall_seconds=24 / wall_rate,
+        tokens_per_second=wall_rate,
+        decode_tokens=22,
+        decode_seconds=22 / decode_rate,
+        decode_tokens_per_second=decode_rate,
+        token_latency_p50_ms=p50,
+        token_latency_p90_ms=2 * p50,
+    )
 
 
 def _totals(sums: dict[str, tuple[float, float]], stages: dict[str, tuple[float, float]]) -> WorkerTotals:
-    names = (TREE_NODES_METRIC, EXPECTED_METRIC, EXPECTED_RAW_METRIC, REALISED_METRIC, LATENCY_ERROR_METRIC)
+    def totals(pair: tuple[float, float]) -> HistogramTotals:
+        return HistogramTotals(total=pair[0], count=pair[1])
+
     return WorkerTotals(
-        metrics={name: HistogramTotals(*sums.get(name, (0.0, 0.0))) for name in names},
-        stages={name: HistogramTotals(*stages.get(name, (0.0, 0.0))) for name in STAGE_NAMES},
+        metrics={name: totals(sums.get(name, (0.0, 0.0))) for name in WORKER_METRICS},
+        stages={name: totals(stages.get(name, (0.0, 0.0))) for name in STAGE_NAMES},
     )
 
 
-def test_estimate_summary_and_row_from_histogram_growth() -> None:
+def test_make_row_takes_medians_of_rates_and_pools_the_rest() -> None:
+    runs = [
+        TemperatureRun(
+            temperature=0.0,
+            measurement=_measurement(1, decode_rate=30.0, wall_rate=20.0, passes=8, p50=9.0),
+            growth=_totals({TREE_NODES_METRIC: (40.0, 10.0)}, {"verify": (0.1, 10.0)}),
+        ),
+        TemperatureRun(
+            temperature=0.0,
+            measurement=_measurement(2, decode_rate=10.0, wall_rate=12.0, passes=4, p50=11.0),
+            growth=_totals({TREE_NODES_METRIC: (10.0, 5.0)}, {"verify": (0.2, 5.0)}),
+        ),
+        TemperatureRun(
+            temperature=0.0,
+            measurement=_measurement(3, decode_rate=20.0, wall_rate=14.0, passes=12, p50=30.0),
+            growth=_totals({}, {}),
+        ),
+    ]
+    row = make_row("chain", 0.0, runs)
+    assert [m.repeat for m in row.per_repeat] == [1, 2, 3]
+    assert row.decode_tokens_per_second == Spread(median=20.0, min=10.0, max=30.0)
+    assert row.tokens_per_second == Spread(median=14.0, min=12.0, max=20.0)
+    assert (row.token_latency_p50_ms, row.token_latency_p90_ms) == (11.0, 22.0)
+    assert (row.requests, row.completion_tokens, row.verify_passes) == (6, 72, 24)
+    assert row.mean_accept_length == 3.0  # pooled: 72 / 24
+    assert row.mean_budget == pytest.approx(50.0 / 15.0)  # pooled, not the median of 4.0 and 2.0
+    assert row.stage_ms is not None and row.stage_ms.verify == pytest.approx(1e3 * 0.3 / 15)
+    assert row.speedup is None
+    ar = make_row(
+        "ar", 0.0, [TemperatureRun(temperature=0.0, measurement=_measurement(1, 8.0, 7.0), growth=None)]
+    )
+    assert ar.mean_accept_length == 1.0 and ar.verify_passes is None and ar.mean_budget is None
+
+
+def _row(policy: str, temperature: float, decode_rate: float, wall_rate: float = 10.0) -> BenchRow:
+    passes = None if policy == "ar" else 12
+    run = TemperatureRun(
+        temperature=temperature, measurement=_measurement(1, decode_rate, wall_rate, passes), growth=None
+    )
+    return make_row(policy, temperature, [run])
+
+
+def test_speedups_compare_medians_with_ar_at_the_same_temperature() -> None:
+    rows = with_speedups(
+        [_row("ar", 0.0, 10.0, 8.0), _row("chain", 0.0, 25.0, 12.0), _row("chain", 0.7, 30.0)]
+    )
+    assert [row.speedup for row in rows] == [1.0, 2.5, None]  # no ar row at T = 0.7
+    assert [row.wall_speedup for row in rows] == [1.0, 1.5, None]
+
+
+def test_best_in_hindsight_and_adaptive_ratios() -> None:
+    rows = [
+        _row("ar", 0.0, 10.0),
+        _row("fixed:4", 0.0, 20.0),
+        _row("adaptive", 0.0, 16.0),
+        _row("chain", 0.7, 12.0),
+        _row("fixed:4", 0.7, 9.0),
+    ]
+    at_zero, at_hot = summarize(rows, (0.0, 0.7))
+    assert (at_zero.best_policy, at_zero.best_decode_tokens_per_second) == ("fixed:4", 20.0)
+    assert at_zero.adaptive_vs_best == pytest.approx(0.8) and at_zero.adaptive_vs_ar == pytest.approx(1.6)
+    assert summary_line(at_zero) == "T=0: best fixed:4 (20.0 tok/s); adaptive 0.80x best, 1.60x ar"
+    assert (at_hot.best_policy, at_hot.adaptive_vs_best, at_hot.adaptive_vs_ar) == ("chain", None, None)
+    assert summary_line(at_hot) == "T=0.7: best chain (12.0 tok/s)"
+
+
+def test_estimate_summary_from_histogram_growth() -> None:
     before = _totals({EXPECTED_METRIC: (10.0, 5.0), REALISED_METRIC: (9.0, 5.0)}, {"verify": (1.0, 5.0)})
     after = _totals(
         {
@@ -239,13 +505,50 @@ def test_estimate_summary_and_row_from_histogram_growth() -> None:
         },
         {"verify": (1.5, 10.0), "draft": (0.1, 5.0), "other": (0.02, 4.0)},
     )
-    estimate = EstimateSummary.between(before, after)
+    estimate = EstimateSummary.of(after.minus(before))
     assert estimate.mean_budget == 4.0 and estimate.expected == pytest.approx(2.2)
     assert estimate.realised == pytest.approx(2.0) and estimate.latency_mape == pytest.approx(0.1)
     assert estimate.stage_ms is not None
     assert estimate.stage_ms.verify == pytest.approx(100.0) and estimate.stage_ms.other == pytest.approx(5.0)
     assert estimate.stage_ms.plan == 0.0  # no samples: nothing measured
-    row = make_row(BenchPolicy("adaptive", "bastion"), 0.0, Measured(2, 40, 20, 2.0, estimate))
+    row = make_row(
+        "adaptive",
+        0.0,
+        [
+            TemperatureRun(
+                temperature=0.0, measurement=_measurement(1, 20.0, 10.0, 8), growth=after.minus(before)
+            )
+        ],
+    )
     assert row.accept_error == pytest.approx(0.1) and row.accept_error_raw == pytest.approx(0.5)
-    plain = make_row(BenchPolicy("ar", "ar"), 0.0, Measured(2, 40, None, 2.0, None))
-    assert plain.accept_error is None and plain.mean_budget is None
+
+
+def test_repeat_measurement_refuses_what_it_cannot_measure() -> None:
+    timing = DecodeTiming(4, 0.5, (0.125,) * 4)
+    chain = BenchPolicy("chain", "bastion")
+    with pytest.raises(RuntimeError, match="no spec_verify_ct"):
+        repeat_measurement(chain, 1, Measured(2, 6, None, 1.0, timing, None))
+    with pytest.raises(RuntimeError, match="no decode time"):
+        repeat_measurement(chain, 1, Measured(2, 2, 2, 1.0, DecodeTiming(0, 0.0, ()), None))
+    record = repeat_measurement(chain, 2, Measured(2, 6, 3, 0.5, timing, None))
+    assert (record.repeat, record.tokens_per_second, record.decode_tokens_per_second) == (2, 12.0, 8.0)
+    assert record.token_latency_p50_ms == record.token_latency_p90_ms == pytest.approx(125.0)
+
+
+def test_report_requires_one_order_per_repeat_running_every_policy() -> None:
+    settings = {
+        "model_path": "m", "draft_model_path": "d", "prompts": "p.jsonl", "split": "all", "num_prompts": 2,
+        "concurrency": 1, "max_new_tokens": 4, "ignore_eos": True, "temperatures": (0.0,),
+        "policies": ("ar", "chain"), "repeats": 2, "max_budget": 8, "device": "cpu",
+        "attention_backend": "torch_native", "dtype": "float32", "seed": 0,
+    }  # fmt: skip
+    rows = with_speedups([_row("ar", 0.0, 10.0), _row("chain", 0.0, 12.0)])
+    report = {
+        "created": "2025-01-01T00:00:00+00:00", "settings": settings, "device": "CPU", "versions": {},
+        "rows": rows, "summaries": summarize(rows, (0.0,)),
+    }  # fmt: skip
+    BenchReport.model_validate({**report, "repeat_orders": (("ar", "chain"), ("chain", "ar"))})
+    with pytest.raises(ValidationError, match="1 repeat orders for 2 repeats"):
+        BenchReport.model_validate({**report, "repeat_orders": (("ar", "chain"),)})
+    with pytest.raises(ValidationError, match="does not run each of"):
+        BenchReport.model_validate({**report, "repeat_orders": (("ar", "chain"), ("chain", "chain"))})
