@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from calibration_profiles import QWEN3_8B
 
 from bastion_sglang.controller import adaptive_plan
 from bastion_sglang.controller.adaptive_plan import plan_adaptive
@@ -12,18 +13,9 @@ from bastion_sglang.controller.fast_tree import HostNodes
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.policies import AdaptivePolicy
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.controller.roofline import RooflineModel, lookup_gpu
 from bastion_sglang.controller.tree import DraftTree, build_tree
 
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1025)
 TOKEN_COSTS = (0.0, 1e-6, 1e-5, 3e-5, 1e-4, 1e-3)
 """Per-token step costs, seconds: from no marginal cost (n* near N_max) to a steep one (n* of a few nodes)."""
