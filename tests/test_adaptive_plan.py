@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from calibration_profiles import QWEN3_8B
+from test_fast_tree import BAD_DRAFTS
 
 from bastion_sglang.controller import adaptive_plan
 from bastion_sglang.controller.adaptive_plan import plan_adaptive
@@ -157,19 +158,7 @@ def test_latency_errors_raise_as_choose(monkeypatch: pytest.MonkeyPatch, chunk: 
         assert str(fused.value) == str(full.value)
 
 
-@pytest.mark.parametrize(
-    ("logprobs", "token_ids", "budget"),
-    [
-        (torch.tensor([[-0.1, -0.5], [-2.0, -0.2]]), torch.zeros(2, 2, dtype=torch.int64), 4),
-        (torch.tensor([[0.5, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
-        (torch.tensor([[float("nan"), -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
-        (torch.tensor([-0.1, -0.5]), torch.zeros(2, dtype=torch.int64), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 3, dtype=torch.int64), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), -1),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 2.5),
-    ],
-)
+@pytest.mark.parametrize(("logprobs", "token_ids", "budget"), BAD_DRAFTS)
 def test_bad_input_raises_as_build_tree(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> None:
     with pytest.raises(ValueError) as heap_error:
         build_tree(logprobs, token_ids, budget)

@@ -168,23 +168,24 @@ def test_returns_the_budget_or_the_lattice() -> None:
     assert len(build_tree_fast(logprobs, token_ids, 0)) == 0
 
 
-@pytest.mark.parametrize(
-    ("logprobs", "token_ids", "budget"),
-    [
-        (torch.tensor([[-0.1, -0.5], [-2.0, -0.2]]), torch.zeros(2, 2, dtype=torch.int64), 4),
-        (torch.tensor([[0.5, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
-        (torch.tensor([[float("nan"), -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
-        (torch.tensor([-0.1, -0.5]), torch.zeros(2, dtype=torch.int64), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 3, dtype=torch.int64), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.bool), 4),
-        (torch.tensor([[-1, -2]]), torch.zeros(1, 2, dtype=torch.int64), 4),
-        (torch.empty(0, 3), torch.empty(0, 3, dtype=torch.int64), 4),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), -1),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 2.5),
-        (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), True),
-    ],
-)
+BAD_DRAFTS = [
+    (torch.tensor([[-0.1, -0.5], [-2.0, -0.2]]), torch.zeros(2, 2, dtype=torch.int64), 4),
+    (torch.tensor([[0.5, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
+    (torch.tensor([[float("nan"), -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 4),
+    (torch.tensor([-0.1, -0.5]), torch.zeros(2, dtype=torch.int64), 4),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 3, dtype=torch.int64), 4),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2), 4),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.bool), 4),
+    (torch.tensor([[-1, -2]]), torch.zeros(1, 2, dtype=torch.int64), 4),
+    (torch.empty(0, 3), torch.empty(0, 3, dtype=torch.int64), 4),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), -1),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), 2.5),
+    (torch.tensor([[-0.1, -0.5]]), torch.zeros(1, 2, dtype=torch.int64), True),
+]
+"""Drafts and budgets every tree builder rejects, each with the heap's ValueError."""
+
+
+@pytest.mark.parametrize(("logprobs", "token_ids", "budget"), BAD_DRAFTS)
 def test_bad_input_raises_as_the_heap(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> None:
     with pytest.raises(ValueError) as heap_error:
         build_tree(logprobs, token_ids, budget)
