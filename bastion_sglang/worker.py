@@ -90,6 +90,19 @@ CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
 PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
 
 
+PLAIN_DECODE_FIELDS = (
+    "forward_mode",
+    "spec_info",
+    "input_ids",
+    "out_cache_loc",
+    "seq_lens",
+    "seq_lens_cpu",
+    "orig_seq_lens",
+    "seq_lens_sum",
+)
+"""The scheduler batch's fields `BastionWorker._decode_plain` sets for its DECODE forward and restores."""
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What a decode step's measured times are matched with (one step late on CUDA)."""
@@ -626,8 +639,7 @@ class BastionWorker(DFlashWorkerV2):
         lengths L_b (prefix_cpu: their host copy). Returns the result of a verify of width 1: logits [B, V],
         hidden states [B, H]. The scheduler's batch fields it changes are restored before it returns.
         """
-        fields = ("forward_mode", "spec_info", "input_ids", "out_cache_loc", "seq_lens", "seq_lens_cpu")
-        saved = {name: getattr(batch, name) for name in (*fields, "orig_seq_lens", "seq_lens_sum")}
+        saved = {name: getattr(batch, name) for name in PLAIN_DECODE_FIELDS}
         batch.forward_mode = ForwardMode.DECODE
         batch.spec_info = None
         batch.input_ids = tokens
