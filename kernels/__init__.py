@@ -20,6 +20,7 @@ import importlib.util
 import torch
 
 from bastion_sglang.kernels import checks, reference
+from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
 from bastion_sglang.kernels.types import (
     NO_MOVE,
     NO_NODE,
@@ -38,6 +39,7 @@ __all__ = [
     "DraftTopK",
     "DraftTreeRows",
     "KvMoves",
+    "OutputPenalties",
     "TreeBatch",
     "VerifyLayout",
     "accept_greedy",
@@ -45,6 +47,7 @@ __all__ = [
     "accept_walk",
     "accepted_kv_moves",
     "apply_kv_moves",
+    "apply_tree_penalties",
     "build_verify_layout",
     "flat_custom_mask",
     "flatten_trees",

@@ -1,0 +1,193 @@
+"""`kernels.apply_tree_penalties` against SGLang's own penalizers rerun on every root-to-node path.
+
+For each node of random trees (small vocabulary, so paths repeat tokens and repeat the output's tokens),
+a fresh `BatchedPenalizerOrchestrator` over that request alone cumulates the request's output and then the
+node's path one token at a time, as SGLang's scheduler does one decode step at a time; its additive and
+scaling penalties are applied to the node's raw logits as `SamplingBatchInfo` applies them. The kernel's
+row must be bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bastion_sglang import kernels
+from bastion_sglang.kernels import reference
+from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
+from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties
+
+penaltylib = pytest.importorskip("sglang.srt.sampling.penaltylib")
+from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties  # noqa: E402
+
+VOCAB = 12
+PENALIZERS = {
+    penaltylib.BatchedFrequencyPenalizer,
+    penaltylib.BatchedMinNewTokensPenalizer,
+    penaltylib.BatchedPresencePenalizer,
+    penaltylib.BatchedRepetitionPenalizer,
+}
+
+
+@dataclass
+class FakeReq:
+    """The fields of SGLang's `Req` the penalizers read."""
+
+    output_ids: list[int]
+    sampling_params: SimpleNamespace
+    eos_token_ids: set[int] | None = None
+    tokenizer: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(additional_stop_token_ids=None, eos_token_id=None)
+    )
+
+
+class FakeBatch:
+    """What `BatchedPenalizerOrchestrator` reads from a ScheduleBatch."""
+
+    def __init__(self, reqs: list[FakeReq]) -> None:
+        self.reqs = reqs
+        self.device = "cpu"
+
+
+def make_req(
+    output: list[int],
+    frequency: float = 0.0,
+    presence: float = 0.0,
+    repetition: float = 1.0,
+    min_new: int = 0,
+    stop_ids: set[int] | None = None,
+    eos: set[int] | None = None,
+    tokenizer_eos: int | None = None,
+) -> FakeReq:
+    params = SimpleNamespace(
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        repetition_penalty=repetition,
+        min_new_tokens=min_new,
+        stop_token_ids=stop_ids,
+    )
+    tokenizer = SimpleNamespace(additional_stop_token_ids={VOCAB - 1}, eos_token_id=tokenizer_eos)
+    return FakeReq(output_ids=output, sampling_params=params, eos_token_ids=eos, tokenizer=tokenizer)
+
+
+def sglang_row(req: FakeReq, path: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """SGLang's penalised logits [V] after the request's output followed by `path`, from raw [V]."""
+    batch = FakeBatch([req])
+    orchestrator = penaltylib.BatchedPenalizerOrchestrator(VOCAB, batch, PENALIZERS)
+    for token in [*req.output_ids, *path]:
+        orchestrator.cumulate_output_tokens(torch.tensor([token]))
+    logits = raw.clone()[None]
+    if orchestrator.is_required:
+        additive = torch.zeros((1, VOCAB), dtype=torch.float32)
+        orchestrator.accumulate_additive_penalties(additive)
+        logits.add_(additive)
+        scaling = orchestrator.accumulate_scaling_penalties()
+        if scaling is not None:
+            apply_scaling_penalties(logits, scaling)
+    return logits[0]
+
+
+def random_tree(generator: torch.Generator, batch: int, width: int) -> kernels.TreeBatch:
+    parents = torch.full((batch, width), kernels.NO_NODE, dtype=torch.int64)
+    depths = torch.zeros((batch, width), dtype=torch.int64)
+    for b in range(batch):
+        for j in range(1, width):
+            parents[b, j] = int(torch.randint(0, j, (), generator=generator))
+            depths[b, j] = depths[b, parents[b, j]] + 1
+    tokens = torch.randint(0, VOCAB, (batch, width), generator=generator)
+    return kernels.TreeBatch(tokens=tokens, parents=parents, depths=depths)
+
+
+def path_tokens(trees: kernels.TreeBatch, b: int, j: int) -> list[int]:
+    """Tokens from depth 1 to node j (the root excluded)."""
+    path = []
+    while j > 0:
+        path.append(int(trees.tokens[b, j]))
+        j = int(trees.parents[b, j])
+    return path[::-1]
+
+
+def batch_reqs(trees: kernels.TreeBatch) -> list[FakeReq]:
+    """Requests mixing every penalty; each output ends with its verify root."""
+    roots = [int(t) for t in trees.tokens[:, 0]]
+    return [
+        make_req([3, 5, 3, roots[0]], frequency=0.7),
+        make_req([1, roots[1]], presence=0.9, eos={2}),
+        make_req([4, 4, 7, roots[2]], repetition=1.3),
+        make_req([roots[3]], min_new=3, stop_ids={6}, eos={2}, tokenizer_eos=0),
+        make_req([2, 9, 9, 1, roots[4]], frequency=0.3, presence=0.4, repetition=0.8, min_new=7, eos={5}),
+        make_req([8, roots[5]]),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_penalties_equal_a_rerun_per_path(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    width = 9
+    trees = random_tree(generator, 6, width)
+    reqs = batch_reqs(trees)
+    raw = torch.randn((6, width, VOCAB), generator=generator) * 3
+    penalties = output_penalties(reqs, VOCAB, torch.device("cpu"))
+    assert penalties is not None
+    logits = raw.clone()
+    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties)
+    for b, req in enumerate(reqs):
+        for j in range(width):
+            want = sglang_row(req, path_tokens(trees, b, j), raw[b, j])
+            assert torch.equal(logits[b, j], want), (b, j, logits[b, j], want)
+
+
+def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
+    # a chain of depth 3 after 2 output tokens; min_new_tokens 4: nodes at depth 0, 1 predict tokens 3, 4
+    trees = kernels.TreeBatch(
+        tokens=torch.tensor([[1, 3, 4, 7]]),
+        parents=torch.tensor([[kernels.NO_NODE, 0, 1, 2]]),
+        depths=torch.tensor([[0, 1, 2, 3]]),
+    )
+    req = make_req([5, 1], min_new=4, eos={2})
+    penalties = output_penalties([req], VOCAB, torch.device("cpu"))
+    assert penalties is not None
+    logits = torch.zeros((1, 4, VOCAB))
+    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties)
+    banned = torch.isneginf(logits[0])
+    assert banned[:2, 2].all() and banned[:2, VOCAB - 1].all()
+    assert not banned[2:].any()
+    assert banned.sum() == 4
+
+
+def test_stop_ids_are_sglangs_set() -> None:
+    req = make_req([1], stop_ids={6}, eos={2, 6}, tokenizer_eos=0)
+    assert min_new_tokens_stop_ids(req) == [0, 2, 6, VOCAB - 1]
+
+
+def test_no_penalty_needs_no_state() -> None:
+    assert output_penalties([make_req([1, 2])], VOCAB, torch.device("cpu")) is None
+
+
+def test_bad_shapes_are_refused() -> None:
+    penalties = OutputPenalties(
+        output_ids=torch.zeros((1, 2), dtype=torch.int64),
+        output_lens=torch.ones(1, dtype=torch.int64),
+        frequency=torch.zeros(1),
+        presence=torch.zeros(1),
+        repetition=torch.ones(1),
+        min_new_tokens=torch.zeros(1, dtype=torch.int64),
+        stop_tokens=torch.zeros((1, 1), dtype=torch.int64),
+    )
+    with pytest.raises(ValueError, match="ancestor_mask"):
+        apply_tree_penalties(
+            torch.zeros((1, 2, VOCAB)),
+            torch.zeros((1, 2), dtype=torch.int64),
+            torch.ones((1, 2, 3)),
+            penalties,
+        )
+    with pytest.raises(ValueError, match=r"penalties\.frequency"):
+        apply_tree_penalties(
+            torch.zeros((1, 2, VOCAB)),
+            torch.zeros((1, 2), dtype=torch.int64),
+            torch.ones((1, 2, 2), dtype=torch.bool),
+            OutputPenalties(**{**penalties.__dict__, "frequency": torch.zeros(1, dtype=torch.float64)}),
+        )
