@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bastion_sglang.controller import AdaptivePolicy, BucketedAdaptivePolicy, BudgetPolicy, FixedPolicy
+from bastion_sglang.controller import AdaptivePolicy, BudgetPolicy
 
 DEFAULT_MAX_BUDGET = 64
 DEFAULT_TOPK = 8
@@ -66,19 +66,7 @@ class BastionConfig:
             raise ValueError(f"max_budget (N_max) must be a positive int, got {self.max_budget!r}")
         if not isinstance(self.policy, BudgetPolicy):
             raise ValueError(f"policy must be a BudgetPolicy, got {self.policy!r}")
-        if isinstance(self.policy, FixedPolicy) and self.policy.nodes > self.max_budget:
-            raise ValueError(
-                f"policy fixed:{self.policy.nodes} verifies more nodes than max_budget {self.max_budget}; "
-                f"raise the budget to at least {self.policy.nodes} or lower N"
-            )
-        if (
-            isinstance(self.policy, BucketedAdaptivePolicy)
-            and self.policy.width_buckets != self.width_buckets
-        ):
-            raise ValueError(
-                f"the bucketed policy's buckets {self.policy.width_buckets} differ from width_buckets "
-                f"{self.width_buckets}"
-            )
+        self.policy.check_config(self.max_budget, self.width_buckets)
         if self.profile_path is not None and not isinstance(self.profile_path, Path):
             raise ValueError(f"profile_path must be a pathlib.Path or None, got {self.profile_path!r}")
         if isinstance(self.ema_alpha, bool) or not isinstance(self.ema_alpha, int | float):

@@ -2,73 +2,79 @@
 
 `AdaptivePolicy.choose` builds a tree of N_max = min(budget, Σ K^d) nodes, then takes n* = the first drop of
 Ŝ(n) = Â(n)·L_AR / Ĉ(n) over n = 1..N_max. `plan_adaptive` returns the same n* and the same first n* nodes
-while building only a prefix of the tree: chunks of m = 64, 256, 1024, ... nodes (the exact builder of
-`fast_tree`), each checked for the drop with a handful of vector operations, stopping at the first chunk that
-contains it.
+while building only what it needs:
+
+1. Heap phase. The lazy heap of `tree.build_tree` pops nodes one at a time, up to HEAP_NODES of them, and
+   tracks Ŝ as they come (a running sum of exp(log ρ), scalar arithmetic). That running Ŝ only says when to
+   look: where it drops, Ŝ is computed exactly on the popped prefix, as the policy computes it, and its first
+   drop is taken if it lies before the prefix's last node; otherwise popping goes on.
+2. Chunk phase (n* >= HEAP_NODES). Prefixes of CHUNK_GROWTH · HEAP_NODES, then CHUNK_GROWTH times more
+   nodes, ... from the exact builder of `fast_tree`, each checked exactly, until one holds the first drop
+   or all N_max nodes.
 
 Why n* is the same. (a) The first m nodes of the heap's order do not depend on the budget once it is >= m,
-so each chunk's scores are the full tree's first m scores, bit for bit. (b) Â comes from
-`expected_accept_curve` on the prefix: exp is elementwise and cumsum a left-to-right running sum, so each
-Â(n) equals the full curve's. (c) Ĉ comes from `latency.predict_many` and `costs.cycle_seconds` on the
-widths n + 1, elementwise, as in `speedup_curve`. A call costs about the same for a few widths or a few
-thousand, so they are asked for in chunks of at least COST_CHUNK (one call up to N_max = 4096); the first
-request also holds N_max + 1, so a width beyond the latency model's buckets raises where `choose` raises.
-(d) Ŝ(n) is formed as `speedup_curve` forms it, so it is the full curve's value, and `first_drop` over the
-prefix finds the full curve's first drop whenever that lies before the prefix's last node; otherwise the
-next chunk is built. At m = N_max the prefix is the whole tree.
+and the heap and the exact builder give the same nodes in the same order with the same float64 scores; so a
+prefix of m nodes holds the full tree's first m scores, bit for bit. (b) The exact check forms Â with
+`batch_objective.accept_curves` (elementwise exp, a left-to-right running sum) and Ĉ with
+`LatencyModel.predict_passes` and `StepCosts.cycle_seconds` (elementwise over widths), so each Ŝ(n) is the
+value `BatchObjective.common` gives the policy at B = 1. (c) `first_drop` over a prefix finds the full curve's
+first drop whenever that lies before the prefix's last node. The scalar running Ŝ (libm exp) may differ from
+the exact one in the last bit; it only decides when the exact check runs, never the answer.
+Ĉ is asked for in chunks of at least COST_CHUNK widths; the first request also checks the full curve's
+widest pass (N_max + 1 tokens) and the context, so bad input raises where `choose` raises.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from bastion_sglang.controller.batch_objective import accept_curves, first_drop
 from bastion_sglang.controller.batched import lattice_size
 from bastion_sglang.controller.fast_tree import (
     HostNodes,
     best_first_nodes,
-    host_logprobs,
+    checked_host_draft,
     host_token_ids,
 )
-from bastion_sglang.controller.policies import expected_accept_curve, first_drop
-from bastion_sglang.controller.tree import DraftTree, validate_budget, validate_draft
+from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
+from bastion_sglang.controller.verify_passes import VerifyPasses, check_contexts
 
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
     from bastion_sglang.controller.profile import StepCosts
 
-FIRST_CHUNK = 64
-"""Nodes in the first chunk: up to about this size a build costs the same (fixed overhead per depth)."""
+HEAP_NODES = 64
+"""Most nodes the heap phase pops: below this a pop costs less than a chunk of the exact builder."""
 CHUNK_GROWTH = 4
-"""Each further chunk holds this many times the nodes of the previous one (total work <= 4/3 of the last)."""
-COST_CHUNK = 4096
-"""Least number of widths per `predict_many` call: a call costs about the same up to a few thousand widths."""
+"""Each chunk of the chunk phase holds this many times the nodes of the previous prefix."""
+COST_CHUNK = 64
+"""Least number of widths per latency prediction (one call costs about the same for up to a few hundred)."""
 
 
 class _CycleCurve:
-    """Ĉ(n) = `costs.cycle_seconds` of a verify pass of n + 1 tokens, n = 1..N_max, asked for in chunks.
-
-    seconds: [covered] float64 host tensor, Ĉ(1..covered).
-    """
+    """Ĉ(n) = `costs.cycle_seconds` of a verify pass of n + 1 tokens over ctx_len cached tokens, n = 1..N_max,
+    asked for in chunks. seconds: [covered] float64, Ĉ(1..covered)."""
 
     def __init__(self, n_max: int, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> None:
-        self._n_max, self._ctx_len, self._latency, self._costs = n_max, ctx_len, latency, costs
-        self.seconds = torch.empty(0, dtype=torch.float64)
+        self._contexts = check_contexts([ctx_len])
+        latency.padded_widths(np.array([n_max + 1]))  # a width past the buckets raises as in `choose`
+        self._n_max, self._latency, self._costs = n_max, latency, costs
+        self.seconds = np.empty(0, dtype=np.float64)
 
-    def cover(self, n: int) -> torch.Tensor:
-        """Ĉ(1..n) as a [n] float64 host tensor, extending the chunks already asked for."""
+    def cover(self, n: int) -> np.ndarray:
+        """Ĉ(1..n) as a [n] float64 host array, extending the chunks already asked for."""
         covered = self.seconds.shape[0]
         if n > covered:
             upto = min(self._n_max, max(n, COST_CHUNK, CHUNK_GROWTH * covered))
-            tokens = torch.arange(covered + 2, upto + 2, dtype=torch.int64)
-            # The first request also holds the full curve's widest pass: a width past the buckets raises here.
-            if covered == 0:
-                tokens = torch.cat([tokens, tokens.new_full((1,), self._n_max + 1)])
-            verify = self._latency.predict_many(tokens, self._ctx_len)
-            cycle = self._costs.cycle_seconds(verify, tokens).cpu()[: upto - covered]
-            self.seconds = torch.cat([self.seconds, cycle])
+            widths = np.arange(covered + 2, upto + 2, dtype=np.int64)
+            passes = VerifyPasses.common(self._latency.padded_widths(widths), self._contexts)
+            cycle = self._costs.cycle_seconds(self._latency.predict_passes(passes), widths)
+            self.seconds = np.concatenate((self.seconds, cycle))
         return self.seconds[:n]
 
 
@@ -81,30 +87,83 @@ def plan_adaptive(
     costs: StepCosts,
 ) -> DraftTree:
     """The first n* nodes of `build_tree(logprobs, token_ids, budget)`, n* = `AdaptivePolicy().choose` on
-    that whole tree, without building the nodes past the chunk that contains n* (module docstring).
+    that whole tree, without building the nodes past the one that shows the drop (module docstring).
 
     logprobs: [D, K] log q_d of the top-K tokens per depth, rows sorted descending, <= 0.
     token_ids: [D, K] the matching token ids.
     budget: N_max, the most nodes the tree may hold (root excluded); 0 plans no node.
     ctx_len: cached tokens of the request; latency, costs: as for `AdaptivePolicy.choose`.
     Returns a DraftTree of n* nodes on the device of `logprobs`; n* = 0 when budget = 0. Raises the
-    ValueErrors of `build_tree` on bad input, and those of `latency.predict_many` as `choose` would.
+    ValueErrors of `build_tree` on bad input, and those of the latency model as `choose` would.
     """
-    validate_draft(logprobs, token_ids, batched=False)
+    lattice = checked_host_draft(logprobs, token_ids)
     validate_budget(budget)
-    lattice = host_logprobs(logprobs)
     n_max = lattice_size(*lattice.shape, budget)
     if n_max == 0:
         nodes = best_first_nodes(lattice, 0)
     else:
-        nodes = _grow_until_drop(lattice, _CycleCurve(n_max, ctx_len, latency, costs), n_max, costs.l_ar)
+        cycle = _CycleCurve(n_max, ctx_len, latency, costs)
+        nodes = _heap_until_drop(lattice, cycle, n_max, costs.l_ar)
+        if nodes is None:
+            nodes = _chunks_until_drop(lattice, cycle, n_max, costs.l_ar)
     return nodes.to_tree(host_token_ids(token_ids), logprobs.device)
 
 
-def _grow_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes:
-    """The first n* best-first nodes: chunks of FIRST_CHUNK · CHUNK_GROWTH^k nodes until one holds Ŝ's first
-    drop or all N_max nodes. lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds."""
-    size = min(n_max, FIRST_CHUNK)
+def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes | None:
+    """The first n* nodes if the heap phase finds the drop (or pops all N_max nodes), else None.
+
+    The pops are `tree.build_tree`'s: entries (-score, depth, rank tuple, parent, score), the sibling and the
+    first child pushed after each pop. lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds.
+    """
+    depth_count, width = lattice.shape
+    limit = min(n_max, HEAP_NODES)
+    seconds = cycle.cover(limit).tolist()
+    item, firsts = lattice.item, lattice[:, 0].tolist()
+    push, pop, exp = heapq.heappush, heapq.heappop, math.exp
+    heap: list[tuple[float, int, tuple[int, ...], int, float]] = [(-firsts[0], 1, (0,), ROOT, firsts[0])]
+    scores: list[float] = []
+    popped: list[tuple[float, int, tuple[int, ...], int, float]] = []
+    drafted, previous = 0.0, -math.inf
+    for index in range(limit):
+        entry = pop(heap)
+        _, depth, path, parent, score = entry
+        scores.append(score)
+        popped.append(entry)
+        drafted += exp(score)
+        estimate = (1.0 + drafted) * l_ar / seconds[index]
+        if estimate < previous or index + 1 == limit:
+            nodes = _host_nodes(scores, popped)
+            stop = _first_drop_within(nodes, cycle.cover(index + 1), l_ar)
+            if stop is not None:
+                return nodes.head(stop)
+        previous = estimate
+        last = path[-1]
+        if last + 1 < width:
+            sibling = (0.0 if parent == ROOT else scores[parent]) + item(depth - 1, last + 1)
+            push(heap, (-sibling, depth, (*path[:-1], last + 1), parent, sibling))
+        if depth < depth_count:
+            child = score + firsts[depth]
+            push(heap, (-child, depth + 1, (*path, 0), index, child))
+    return nodes if limit == n_max else None
+
+
+def _host_nodes(
+    scores: list[float], popped: list[tuple[float, int, tuple[int, ...], int, float]]
+) -> HostNodes:
+    """HostNodes of the heap's pops, in order. scores: [m] their scores; popped: [m] their heap entries."""
+    return HostNodes(
+        scores=np.array(scores),
+        parents=np.array([entry[3] for entry in popped], dtype=np.int64),
+        depths=np.array([entry[1] for entry in popped], dtype=np.int64),
+        ranks=np.array([entry[2][-1] for entry in popped], dtype=np.int64),
+    )
+
+
+def _chunks_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes:
+    """The first n* best-first nodes: prefixes of CHUNK_GROWTH^k · HEAP_NODES nodes (k >= 1) from the exact
+    builder until one holds Ŝ's first drop or all N_max nodes. lattice: [D, K] float64 host log-probs;
+    n_max > HEAP_NODES; l_ar: seconds."""
+    size = min(n_max, CHUNK_GROWTH * HEAP_NODES)
     while True:
         nodes = best_first_nodes(lattice, size)
         stop = _first_drop_within(nodes, cycle.cover(size), l_ar)
@@ -115,11 +174,10 @@ def _grow_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: 
         size = min(n_max, CHUNK_GROWTH * size)
 
 
-def _first_drop_within(nodes: HostNodes, cycle: torch.Tensor, l_ar: float) -> int | None:
+def _first_drop_within(nodes: HostNodes, cycle: np.ndarray, l_ar: float) -> int | None:
     """n* if Ŝ first drops before the prefix's last node, else None. nodes: the first m best-first nodes;
-    cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as `speedup_curve`
-    forms it: Â · L_AR / Ĉ."""
-    accept = expected_accept_curve(torch.from_numpy(nodes.scores))[1:]
-    speedup = accept * l_ar / cycle
-    drop = first_drop(speedup)
+    cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
+    `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ."""
+    accept = accept_curves(nodes.scores[None])[1][0, 1:]
+    drop = first_drop(accept * l_ar / cycle)
     return drop + 1 if drop < len(nodes) - 1 else None

@@ -52,7 +52,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
+from bastion_sglang.controller.tree import (
+    ROOT,
+    DraftTree,
+    validate_budget,
+    validate_draft,
+    validate_layout,
+)
 
 THIN_POOL = 2
 """Point 4: the rank bound also caps a depth's counts when they exceed THIN_POOL·N children while fewer than
@@ -123,6 +129,17 @@ def host_logprobs(logprobs: torch.Tensor) -> np.ndarray:
     return logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
+def checked_host_draft(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
+    """`validate_draft` of one [D, K] draft, the values checked on the host copy; returns that copy, [D, K]
+    float64 (`host_logprobs`). Raises the ValueErrors of `validate_draft`."""
+    validate_layout(logprobs, token_ids, batched=False)
+    lattice = host_logprobs(logprobs)
+    # rows sorted descending from a first entry <= 0: every entry <= 0; NaN fails every comparison
+    if not ((lattice[:, 0] <= 0.0).all() and (lattice[:, 1:] <= lattice[:, :-1]).all()):
+        validate_draft(logprobs, token_ids, batched=False)  # raises, naming the problem
+    return lattice
+
+
 def host_token_ids(token_ids: torch.Tensor) -> np.ndarray:
     """[D, K] token ids as an integer host array."""
     return token_ids.detach().to("cpu").numpy()
@@ -137,10 +154,9 @@ def build_tree_fast(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
     Returns a DraftTree on the device of `logprobs` (int64 tokens, parents and depths, float64 log_scores).
     Raises the ValueErrors of `build_tree` on bad input. Runs on the host.
     """
-    validate_draft(logprobs, token_ids, batched=False)
+    lattice = checked_host_draft(logprobs, token_ids)
     validate_budget(budget)
-    nodes = best_first_nodes(host_logprobs(logprobs), budget)
-    return nodes.to_tree(host_token_ids(token_ids), logprobs.device)
+    return best_first_nodes(lattice, budget).to_tree(host_token_ids(token_ids), logprobs.device)
 
 
 def best_first_nodes(logprobs: np.ndarray, budget: int) -> HostNodes:

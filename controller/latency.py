@@ -102,6 +102,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 from scipy.optimize import nnls
 
 from bastion_sglang.controller.roofline import PassTerms, RooflineModel, TokenCounts
+from bastion_sglang.controller.verify_passes import PassPrices, VerifyPasses, check_contexts
 
 SCALE_BOUNDS = (0.1, 10.0)
 """Range of the online correction's scale a."""
@@ -188,6 +189,10 @@ class LatencyFit(BaseModel):
         return self.alpha_gemm * roofline.gemm_seconds(tokens) + self.alpha_tok * min(
             float(tokens), roofline.gemm_ridge_tokens()
         )
+
+
+IDENTITY_FIT = LatencyFit.identity()
+"""The fit an uncalibrated model prices with (built once: a frozen value)."""
 
 
 class FitReport(BaseModel):
@@ -525,11 +530,11 @@ class OnlineCorrection:
         predicted = self._base * predicted
         return max(self._a * predicted + self._d * tokens, CORRECTION_FLOOR * predicted)
 
-    def correct_many(self, predicted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Elementwise `correct`: [M] float64 seconds and [M] tokens -> [M] float64 seconds."""
+    def correct_array(self, predicted: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Elementwise `correct` on the host: [M] float64 seconds and [M] float64 tokens -> [M] float64
+        seconds (the same operations, so the same values)."""
         predicted = self._base * predicted
-        corrected = self._a * predicted + self._d * tokens.to(torch.float64)
-        return torch.maximum(corrected, CORRECTION_FLOOR * predicted)
+        return np.maximum(self._a * predicted + self._d * tokens, CORRECTION_FLOOR * predicted)
 
     def update(self, predicted: float, tokens: float, observed: float) -> None:
         """Add one observation (predicted and observed seconds > 0, tokens >= 1) and refit a and d."""
@@ -567,7 +572,16 @@ class LatencyModel:
     width_buckets: the verify widths passes run at (tokens per request), sorted and unique; None: no padding.
     """
 
-    __slots__ = ("_bucket_tensor", "_buckets", "_ema_alpha", "_fit", "_plain", "_roofline", "_verify")
+    __slots__ = (
+        "_bucket_array",
+        "_buckets",
+        "_ema_alpha",
+        "_fit",
+        "_plain",
+        "_prices",
+        "_roofline",
+        "_verify",
+    )
 
     def __init__(
         self,
@@ -581,12 +595,11 @@ class LatencyModel:
         if fit is not None and not isinstance(fit, LatencyFit):
             raise ValueError(f"fit must be a LatencyFit or None, got {type(fit).__name__}")
         self._roofline = roofline
+        self._prices = PassPrices.of(roofline)
         self._fit = fit
         self._ema_alpha = _check_ema_alpha(ema_alpha)
         self._buckets = None if width_buckets is None else validate_width_buckets(width_buckets)
-        self._bucket_tensor = (
-            None if self._buckets is None else torch.tensor(self._buckets, dtype=torch.int64)
-        )
+        self._bucket_array = None if self._buckets is None else np.array(self._buckets, dtype=np.int64)
         self._verify = self._new_correction()
         self._plain = self._new_correction()
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
@@ -611,7 +624,7 @@ class LatencyModel:
     @property
     def latency_fit(self) -> LatencyFit:
         """The offline fit in use (the identity when none was given)."""
-        return self._fit if self._fit is not None else LatencyFit.identity()
+        return self._fit if self._fit is not None else IDENTITY_FIT
 
     @property
     def calibrated(self) -> bool:
@@ -682,29 +695,54 @@ class LatencyModel:
 
     def predict_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
         """Vectorised `predict`. s: [M] int64 widths; c: cached tokens. Returns [M] float64 seconds on s's
-        device. Syncs once to the host to check the widths against the buckets."""
+        device (the values of `predict`). Syncs once to the host: the widths are priced there."""
         if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or s.dim() != 1:
             got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
             raise ValueError(f"s must be a 1-D int64 tensor [M], got {got}")
-        widths = s
-        if self._buckets is not None and self._bucket_tensor is not None and s.numel():
-            largest = int(s.max())  # host sync: reject widths beyond the captured buckets
-            if largest > self._buckets[-1]:
-                raise ValueError(
-                    f"s = {largest} exceeds the largest width bucket; buckets: {list(self._buckets)}"
-                )
-            buckets = self._bucket_tensor.to(s.device)
-            widths = buckets[torch.searchsorted(buckets, s, side="left")]
-        fit, roofline = self.latency_fit, self._roofline
-        tokens = widths.to(torch.float64)
+        host = s.detach().cpu().numpy()  # host sync: planning is host-side
+        widths = self.padded_widths(host)
+        if host.size and int(host.min()) < 1:
+            raise ValueError(f"s (tokens verified) must be >= 1, got min {int(host.min())}")
+        passes = VerifyPasses.common(widths, check_contexts([c]))
+        return torch.from_numpy(self.predict_passes(passes)).to(s.device)
+
+    def padded_widths(self, s: np.ndarray) -> np.ndarray:
+        """Vectorised `padded_width` on the host: [M] int64 tokens per request -> [M] int64 widths the passes
+        run at (s itself without buckets). ValueError naming the largest s when it exceeds the largest
+        bucket."""
+        buckets = self._bucket_array
+        if buckets is None or s.size == 0:
+            return s
+        largest = int(s.max())
+        if largest > buckets[-1]:
+            raise ValueError(
+                f"s = {largest} exceeds the largest width bucket; buckets: {list(self._buckets)}"
+            )
+        return buckets[buckets.searchsorted(s, side="left")]
+
+    def predict_passes(self, passes: VerifyPasses) -> np.ndarray:
+        """Seconds of M verify passes over one batch (`VerifyPasses` at the widths the passes run at: see
+        `padded_widths`), corrected online: [M] float64.
+
+        Each equals `predict_batch` of the same pass bit for bit while the FLOP, element and token counts stay
+        below 2^53: the counts are exact integers, rounded once, then go through the same float operations.
+        """
+        prices, fit = self._prices, self.latency_fit
+        # float64 copies of the counts: exact below 2^53, so each product is the exact count, rounded once
+        tokens = passes.tokens.astype(np.float64)
+        gemm = np.maximum(tokens * prices.gemm_flops_per_token / prices.peak_flops, prices.weight_seconds)
+        attention = passes.attention_pairs.astype(np.float64) * prices.attention_flops_per_pair
+        kv_bytes = prices.bytes_per_element * (
+            passes.kv_tokens.astype(np.float64) * prices.kv_elements_per_token
+        )
         seconds = (
             fit.beta_fixed
-            + fit.alpha_gemm * roofline.gemm_seconds_many(widths)
-            + fit.alpha_tok * tokens.clamp_max(roofline.gemm_ridge_tokens())
-            + fit.alpha_attn * roofline.attention_compute_seconds_many(widths, c)
-            + fit.alpha_kv * roofline.kv_seconds_many(widths, c)
+            + fit.alpha_gemm * gemm
+            + fit.alpha_tok * np.minimum(tokens, prices.ridge_tokens)
+            + fit.alpha_attn * (attention / prices.peak_flops)
+            + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
-        return self._verify.correct_many(seconds, tokens)
+        return self._verify.correct_array(seconds, tokens)
 
     def predict_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts) -> float:
         """Seconds of one verify pass over a batch. s_per_request, c_per_request: [B] tokens verified and

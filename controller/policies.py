@@ -6,6 +6,10 @@ commit Â(n) = 1 + Σ_{i≤n} ρ_i tokens (eq. 3). The estimated cycle cost is
 Ĉ(n) = T_draft + T_aux + T_verify(n + 1, c) (eq. 7), and the estimated speedup over plain decoding is
 Ŝ(n) = Â(n) · L_AR / Ĉ(n) (eq. 6). Â is concave in n (eq. 5); with a convex Ĉ, Ŝ is unimodal and its
 first drop is its maximum (Proposition 2.4).
+
+Each policy owns its choice for a whole batch (`choose_batch`, on a `batch_objective.BatchObjective`), the
+size of the tree to build for it (`tree_budget`) and the configurations it can run with (`check_config`), so
+callers never branch on the policy's type; `choose` is the batch choice at B = 1.
 """
 
 from __future__ import annotations
@@ -13,42 +17,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
+from bastion_sglang.controller.batch_objective import BatchObjective, accept_curves, first_drop
+
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from bastion_sglang.controller.batched import DraftTreeBatch
     from bastion_sglang.controller.latency import LatencyModel
     from bastion_sglang.controller.profile import StepCosts
 
-    Objective = Callable[[list[int]], tuple[float, float]]
-    """(node counts per request) -> (estimated speedup, estimated verify seconds)."""
-
 
 def expected_accept_curve(log_scores: torch.Tensor) -> torch.Tensor:
-    """Â(n) for n = 0..N: [N] log ρ (best-first) -> [N + 1] float64, Â(0) = 1."""
-    gains = torch.exp(log_scores.to(torch.float64))
-    return torch.cat([gains.new_ones(1), 1.0 + torch.cumsum(gains, 0)])
+    """Â(n) for n = 0..N: [N] log ρ (best-first) -> [N + 1] float64 on the host, Â(0) = 1 (the values the
+    planners use: `batch_objective.accept_curves`)."""
+    host = log_scores.detach().to(device="cpu", dtype=torch.float64).numpy()[None]
+    return torch.from_numpy(accept_curves(host, np.ones((1, 1)))[1][0])
 
 
 def speedup_curve(
     log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts
 ) -> torch.Tensor:
-    """Ŝ(n) for n = 1..N: [N] log ρ -> [N] float64 estimated speedups over plain decoding."""
-    accept = expected_accept_curve(log_scores)[1:]
-    tokens = torch.arange(2, log_scores.shape[0] + 2, dtype=torch.int64)
-    verify = latency.predict_many(tokens, ctx_len)
-    return accept.cpu() * costs.l_ar / costs.cycle_seconds(verify, tokens)
+    """Ŝ(n) for n = 1..N: [N] log ρ -> [N] float64 estimated speedups over plain decoding, on the host."""
+    objective = BatchObjective.from_log_scores(log_scores[None], [ctx_len], latency, costs)
+    nodes = np.arange(1, objective.available + 1)
+    return torch.from_numpy(objective.common(nodes).speedup)
 
 
-def first_drop(values: torch.Tensor) -> int:
-    """Index of the first i with values[i + 1] < values[i], or the last index if values never drop.
+def _choose_one(
+    policy: BudgetPolicy, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts
+) -> int:
+    """`policy.choose` through its batch choice at B = 1."""
+    objective = BatchObjective.from_log_scores(log_scores[None], [ctx_len], latency, costs)
+    return policy.choose_batch(objective, common_width=True)[0]
 
-    values: [M] on the host. Returns a Python int.
-    """
-    drops = torch.nonzero(values[1:] < values[:-1])
-    return int(drops[0, 0]) if drops.numel() else values.shape[0] - 1
+
+def _fits_widest(policy: BudgetPolicy, nodes: int, max_width: int | None) -> int:
+    """nodes, or ValueError when a pass of nodes + 1 tokens is wider than max_width (None: unbounded)."""
+    if max_width is not None and nodes + 1 > max_width:
+        raise ValueError(
+            f"policy {policy!r} verifies up to {nodes + 1} tokens, beyond the largest width bucket "
+            f"{max_width} of the latency model"
+        )
+    return nodes
 
 
 @runtime_checkable
@@ -63,8 +76,22 @@ class BudgetPolicy(Protocol):
     def may_decline(self) -> bool:
         """Whether the policy may choose plain decoding (n = 0 for the batch) when no tree pays."""
 
+    def tree_budget(self, max_nodes: int, depth: int, max_width: int | None) -> int:
+        """Nodes of the best-first tree to build per request. max_nodes: N_max, the most the caller builds for
+        a policy that chooses; depth: D, the drafter's depth; max_width: the widest verify pass (tokens per
+        request) the latency model prices, None: unbounded. ValueError when the policy needs a wider pass."""
+
+    def check_config(self, max_budget: int, width_buckets: tuple[int, ...]) -> None:
+        """ValueError, naming both, when the policy cannot run with N_max = max_budget nodes per request and
+        these verify width buckets."""
+
+    def choose_batch(self, objective: BatchObjective, common_width: bool) -> tuple[int, ...]:
+        """Nodes per request (each in 0..N) for the batch of `objective`. common_width: every request must
+        verify the same n (one width per pass); policies that always choose one n ignore it."""
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
-        """log_scores: [N] float64 best-first log ρ; ctx_len: cached tokens; returns n in 0..N."""
+        """log_scores: [N] float64 best-first log ρ; ctx_len: cached tokens; returns n in 0..N (the batch
+        choice at B = 1)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +112,21 @@ class FixedPolicy:
     def may_decline(self) -> bool:
         return False
 
+    def tree_budget(self, max_nodes: int, depth: int, max_width: int | None) -> int:
+        return _fits_widest(self, self.nodes, max_width)
+
+    def check_config(self, max_budget: int, width_buckets: tuple[int, ...]) -> None:
+        if self.nodes > max_budget:
+            raise ValueError(
+                f"policy fixed:{self.nodes} verifies more nodes than max_budget {max_budget}; "
+                f"raise the budget to at least {self.nodes} or lower N"
+            )
+
+    def choose_batch(self, objective: BatchObjective, common_width: bool) -> tuple[int, ...]:
+        return (min(self.nodes, objective.available),) * objective.batch_size
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
-        return min(self.nodes, int(log_scores.shape[0]))
+        return _choose_one(self, log_scores, ctx_len, latency, costs)
 
 
 @dataclass(frozen=True)
@@ -101,13 +141,27 @@ class ChainPolicy:
     def may_decline(self) -> bool:
         return False
 
+    def tree_budget(self, max_nodes: int, depth: int, max_width: int | None) -> int:
+        return _fits_widest(self, depth, max_width)
+
+    def check_config(self, max_budget: int, width_buckets: tuple[int, ...]) -> None:
+        return None
+
+    def choose_batch(self, objective: BatchObjective, common_width: bool) -> tuple[int, ...]:
+        return (objective.available,) * objective.batch_size
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
-        return int(log_scores.shape[0])
+        return _choose_one(self, log_scores, ctx_len, latency, costs)
 
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
-    """BASTION's rule: grow the best-first tree while Ŝ(n) rises; stop at its first drop."""
+    """BASTION's rule: grow the best-first tree while Ŝ(n) rises; stop at its first drop.
+
+    For a batch with one common width: the first drop of Σ_i Â_i(n) / Ĉ(n) over n = 1..N (a sum of concave
+    curves over a convex cost, so unimodal), every n priced by one latency prediction. Without a common width:
+    the greedy walk of `BatchObjective.greedy_walk`.
+    """
 
     @property
     def topk_cap(self) -> int | None:
@@ -117,10 +171,23 @@ class AdaptivePolicy:
     def may_decline(self) -> bool:
         return True
 
+    def tree_budget(self, max_nodes: int, depth: int, max_width: int | None) -> int:
+        return max_nodes if max_width is None else min(max_nodes, max_width - 1)
+
+    def check_config(self, max_budget: int, width_buckets: tuple[int, ...]) -> None:
+        return None
+
+    def choose_batch(self, objective: BatchObjective, common_width: bool) -> tuple[int, ...]:
+        if not common_width:
+            return tuple(int(n) for n in objective.greedy_walk())
+        available = objective.available
+        if available == 0:
+            return (0,) * objective.batch_size
+        speedup = objective.common(np.arange(1, available + 1)).speedup
+        return (first_drop(speedup) + 1,) * objective.batch_size
+
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
-        if log_scores.shape[0] == 0:
-            return 0
-        return first_drop(speedup_curve(log_scores, ctx_len, latency, costs)) + 1
+        return _choose_one(self, log_scores, ctx_len, latency, costs)
 
 
 @dataclass(frozen=True)
@@ -150,17 +217,26 @@ class BucketedAdaptivePolicy:
     def may_decline(self) -> bool:
         return True
 
-    def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
-        available = int(log_scores.shape[0])
+    def tree_budget(self, max_nodes: int, depth: int, max_width: int | None) -> int:
+        return max_nodes if max_width is None else min(max_nodes, max_width - 1)
+
+    def check_config(self, max_budget: int, width_buckets: tuple[int, ...]) -> None:
+        if self.width_buckets != width_buckets:
+            raise ValueError(
+                f"the bucketed policy's buckets {self.width_buckets} differ from width_buckets "
+                f"{width_buckets}"
+            )
+
+    def choose_batch(self, objective: BatchObjective, common_width: bool) -> tuple[int, ...]:
+        available = objective.available
         if available == 0:
-            return 0
-        nodes = torch.unique(
-            torch.clamp(torch.tensor(self.width_buckets, dtype=torch.int64) - 1, max=available)
-        )
-        accept = expected_accept_curve(log_scores).cpu()[nodes]
-        verify = latency.predict_many(nodes + 1, ctx_len)  # the latency model pads to the bucket itself
-        speedup = accept * costs.l_ar / costs.cycle_seconds(verify, nodes + 1)
-        return int(nodes[int(torch.argmax(speedup))])  # argmax returns the first (smallest) maximiser
+            return (0,) * objective.batch_size
+        nodes = np.unique(np.minimum(np.array(self.width_buckets, dtype=np.int64) - 1, available))
+        speedup = objective.common(nodes).speedup
+        return (int(nodes[int(np.argmax(speedup))]),) * objective.batch_size  # the first (smallest) maximiser
+
+    def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
+        return _choose_one(self, log_scores, ctx_len, latency, costs)
 
 
 def parse_policy(spec: str, width_buckets: Sequence[int] | None = None) -> BudgetPolicy | None:
@@ -247,79 +323,26 @@ def plan_batch(
     pass costs Σ_i (n_i + 1) tokens) the nodes are handed out greedily by ρ across requests (exact for a sum
     of concave Â_i at any total), so requests the drafter predicts badly keep n_i = 0 while others
     speculate, and adaptive stops at the first drop of the objective along that order.
-    trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Syncs scores to the host.
+    The policy chooses (`BudgetPolicy.choose_batch`) on a `BatchObjective`, which prices all of its candidate
+    plans (every n for adaptive) with one latency prediction; the reported estimates are those of the chosen
+    plan (at a common n: the values the policy compared).
+    trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Syncs scores to the host once.
     """
-    batch = trees.batch_size
-    if len(ctx_lens) != batch:
-        raise ValueError(f"ctx_lens has {len(ctx_lens)} entries for a batch of {batch}")
-    raw_gains = torch.exp(trees.log_scores.to(torch.float64)).cpu()  # host copy: planning is host-side
-    if accept_scale is None:
-        scale = torch.ones(batch, 1, dtype=torch.float64)
-    elif len(accept_scale) != batch or any(not c > 0 for c in accept_scale):
-        raise ValueError(f"accept_scale needs {batch} positive factors, got {list(accept_scale)!r}")
-    else:
-        scale = torch.tensor(list(accept_scale), dtype=torch.float64)[:, None]
-    gains = raw_gains * scale
-    # drafted[i][n] = Σ_{j<=n} ρ_ij before the correction, n = 0..N; accept[i][n] = Â_i(n)
-    drafted = torch.cat([torch.zeros(batch, 1, dtype=torch.float64), raw_gains.cumsum(1)], dim=1)
-    accept = (1.0 + drafted * scale).tolist()
-    drafted_rows = drafted.tolist()
-    contexts = list(ctx_lens)
-
-    def objective(counts: list[int]) -> tuple[float, float]:
-        verify = latency.predict_batch([n + 1 for n in counts], contexts)
-        committed = sum(accept[i][n] for i, n in enumerate(counts))
-        tokens = sum(n + 1 for n in counts)
-        return committed * costs.l_ar / (batch * costs.cycle_seconds(verify, tokens)), verify
-
-    if not common_width and isinstance(policy, AdaptivePolicy):
-        counts = _greedy_ragged(gains, objective)
-    else:
-        counts = [_common_nodes(trees.num_nodes, policy, objective, batch)] * batch
-    speedup, verify = objective(counts)
-    chosen_accept = tuple(accept[i][n] for i, n in enumerate(counts))
-    chosen_drafted = tuple(drafted_rows[i][n] for i, n in enumerate(counts))
+    objective = BatchObjective.from_log_scores(trees.log_scores, ctx_lens, latency, costs, accept_scale)
+    counts = policy.choose_batch(objective, common_width)
+    chosen = np.array(counts, dtype=np.int64)
+    common = len(set(counts)) == 1
+    estimates = objective.common(chosen[:1]) if common else objective.ragged(chosen[None])
+    speedup, verify = float(estimates.speedup[0]), float(estimates.verify_seconds[0])
     if allow_plain and policy.may_decline and speedup <= 1.0:
-        return plain_plan(batch, costs.l_ar, speculative_speedup=speedup)
-    return BatchPlan(tuple(counts), max(counts) + 1, chosen_accept, chosen_drafted, verify, speedup, speedup)
-
-
-def _common_nodes(available: int, policy: BudgetPolicy, objective: Objective, batch: int) -> int:
-    if isinstance(policy, FixedPolicy):
-        return min(policy.nodes, available)
-    if isinstance(policy, ChainPolicy):
-        return available
-    if available == 0:
-        return 0
-    if isinstance(policy, BucketedAdaptivePolicy):
-        candidates = sorted({min(w - 1, available) for w in policy.width_buckets})
-        scores = [objective([n] * batch)[0] for n in candidates]
-        return candidates[max(range(len(candidates)), key=lambda i: (scores[i], -i))]
-    if isinstance(policy, AdaptivePolicy):
-        best = objective([1] * batch)[0]
-        for n in range(2, available + 1):
-            value = objective([n] * batch)[0]
-            if value < best:
-                return n - 1
-            best = value
-        return available
-    raise ValueError(f"plan_batch does not know policy {policy!r}")
-
-
-def _greedy_ragged(gains: torch.Tensor, objective: Objective) -> list[int]:
-    batch, available = gains.shape
-    counts = [0] * batch
-    if available == 0:
-        return counts
-    # Row-major stable order: within a row the (non-increasing) gains keep their order.
-    order = torch.argsort(gains.reshape(-1), descending=True, stable=True)
-    best = objective(counts)[0]
-    for flat in order.tolist():
-        row = flat // available
-        counts[row] += 1
-        value = objective(counts)[0]
-        if value < best:
-            counts[row] -= 1
-            break
-        best = value
-    return counts
+        return plain_plan(len(counts), costs.l_ar, speculative_speedup=speedup)
+    rows = np.arange(len(counts))
+    return BatchPlan(
+        node_counts=counts,
+        width=max(counts) + 1,
+        expected_accept=tuple(objective.accept[rows, chosen].tolist()),
+        expected_drafted=tuple(objective.drafted[rows, chosen].tolist()),
+        estimated_verify_seconds=verify,
+        estimated_speedup=speedup,
+        speculative_speedup=speedup,
+    )

@@ -390,6 +390,20 @@ class RooflineModel:
         s, c = _check_tokens(s, c)
         return float(self.bytes_per_element * self._kv_elements(s, c))
 
+    def gemm_flops_per_token(self) -> int:
+        """GEMM FLOPs of one token: `gemm_flops(T)` = T · this, exactly (an integer)."""
+        return int(self._gemm_flops(1))
+
+    def attention_flops_per_pair(self) -> int:
+        """Attention FLOPs per query-key pair, 4·h_q·L: one request's s queries over c + s keys cost
+        s·(c+s) times this (an integer)."""
+        return int(self._attention_flops(1, 0))
+
+    def kv_elements_per_token(self) -> int:
+        """KV-cache elements per cached token read or new token written, L·2h_kv: one request's KV elements
+        are (c + 2s) times this (an integer)."""
+        return int(self._kv_elements(0, 1))
+
     def gemm_ridge_tokens(self) -> float:
         """T*: the tokens at which a pass's GEMM FLOPs / peak equal its weight bytes / bandwidth. Below it the
         roofline prices the GEMMs at the weight read, above it at the FLOPs."""

@@ -51,6 +51,19 @@ def validate_draft(logprobs: torch.Tensor, token_ids: torch.Tensor, batched: boo
     logprobs: [D, K] (or [B, D, K] when batched) floating log-probs, each row sorted descending, ≤ 0, no NaN.
     token_ids: same shape, integer.
     """
+    validate_layout(logprobs, token_ids, batched)
+    if torch.isnan(logprobs).any():
+        raise ValueError("logprobs contain NaN")
+    if (logprobs > 0).any():
+        worst = logprobs.max().item()
+        raise ValueError(f"logprobs must be log-probabilities (<= 0), found {worst}")
+    if (logprobs[..., 1:] > logprobs[..., :-1]).any():
+        bad = (logprobs[..., 1:] > logprobs[..., :-1]).nonzero()[0].tolist()
+        raise ValueError(f"each row of logprobs must be sorted descending; first violation at index {bad}")
+
+
+def validate_layout(logprobs: torch.Tensor, token_ids: torch.Tensor, batched: bool) -> None:
+    """The shape and dtype checks of `validate_draft` (not the values); ValueError naming the problem."""
     rank = 3 if batched else 2
     layout = "[B, D, K]" if batched else "[D, K]"
     if logprobs.dim() != rank:
@@ -65,14 +78,6 @@ def validate_draft(logprobs: torch.Tensor, token_ids: torch.Tensor, batched: boo
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
     if logprobs.shape[-1] == 0 or logprobs.shape[-2] == 0:
         raise ValueError(f"logprobs need at least one depth and one candidate, got {tuple(logprobs.shape)}")
-    if torch.isnan(logprobs).any():
-        raise ValueError("logprobs contain NaN")
-    if (logprobs > 0).any():
-        worst = logprobs.max().item()
-        raise ValueError(f"logprobs must be log-probabilities (<= 0), found {worst}")
-    if (logprobs[..., 1:] > logprobs[..., :-1]).any():
-        bad = (logprobs[..., 1:] > logprobs[..., :-1]).nonzero()[0].tolist()
-        raise ValueError(f"each row of logprobs must be sorted descending; first violation at index {bad}")
 
 
 def validate_budget(budget: int) -> None:

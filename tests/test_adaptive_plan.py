@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -88,11 +91,12 @@ def test_matches_full_build_then_first_drop(name: str, seed: int) -> None:
     assert len(sizes) >= 4  # the costs spread n* from a few nodes to the budget
 
 
-@pytest.mark.parametrize("first_chunk", [1, 2, 3, 7])
+@pytest.mark.parametrize("heap_nodes", [1, 2, 3, 7])
 @pytest.mark.parametrize("cost_chunk", [1, 5, 4096])
-def test_every_chunk_boundary(monkeypatch: pytest.MonkeyPatch, first_chunk: int, cost_chunk: int) -> None:
-    # Tiny chunks put n* on and next to chunk boundaries and ask the latency model for widths many times.
-    monkeypatch.setattr(adaptive_plan, "FIRST_CHUNK", first_chunk)
+def test_every_chunk_boundary(monkeypatch: pytest.MonkeyPatch, heap_nodes: int, cost_chunk: int) -> None:
+    # A tiny heap phase puts n* on and next to the heap's limit and the chunk boundaries, and asks the latency
+    # model for widths many times.
+    monkeypatch.setattr(adaptive_plan, "HEAP_NODES", heap_nodes)
     monkeypatch.setattr(adaptive_plan, "COST_CHUNK", cost_chunk)
     model = latency_models()["fit"]
     logprobs, token_ids = draft(11, depth=6, width=8)
@@ -101,6 +105,21 @@ def test_every_chunk_boundary(monkeypatch: pytest.MonkeyPatch, first_chunk: int,
             want = unfused(logprobs, token_ids, budget, 512, model, costs(per_token))
             got = plan_adaptive(logprobs, token_ids, budget, 512, model, costs(per_token))
             assert_same_tree(got, want, (per_token, budget))
+
+
+@pytest.mark.parametrize("error", [-1e-3, 1e-3])
+def test_the_running_estimate_never_decides(monkeypatch: pytest.MonkeyPatch, error: float) -> None:
+    # The heap phase's running Ŝ only says when to check exactly: skewed by a relative error of 0.1 %, it
+    # fires early or late, and the answer stays that of the full build.
+    skewed = types.SimpleNamespace(exp=lambda x: math.exp(x) * (1.0 + error), inf=math.inf)
+    monkeypatch.setattr(adaptive_plan, "math", skewed)
+    model = latency_models()["fit"]
+    for seed in range(3):
+        logprobs, token_ids = draft(seed, sharpness=[3.0, 1.5, 6.0][seed])
+        for per_token in (*TOKEN_COSTS, 2e-5, 5e-5, 3e-4):
+            want = unfused(logprobs, token_ids, 300, 2048, model, costs(per_token))
+            got = plan_adaptive(logprobs, token_ids, 300, 2048, model, costs(per_token))
+            assert_same_tree(got, want, (seed, per_token))
 
 
 def test_ties_and_small_lattices() -> None:
@@ -117,7 +136,12 @@ def test_ties_and_small_lattices() -> None:
             )
 
 
-def test_stops_at_the_chunk_that_holds_the_drop(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("per_token", "chunks"), [(1e-4, []), (0.0, [256, 1024])])
+def test_builds_no_chunk_past_the_drop(
+    monkeypatch: pytest.MonkeyPatch, per_token: float, chunks: list[int]
+) -> None:
+    # A steep per-token cost: the heap phase finds the drop and no chunk is built. No per-token cost: n* lies
+    # past the heap phase and the prefix grows 256, 1024 (= N_max).
     built: list[int] = []
     real = adaptive_plan.best_first_nodes
 
@@ -127,9 +151,11 @@ def test_stops_at_the_chunk_that_holds_the_drop(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(adaptive_plan, "best_first_nodes", recording)
     logprobs, token_ids = draft(3)
-    tree = plan_adaptive(logprobs, token_ids, 1024, 1024, latency_models()["h100"], costs(1e-4))
-    assert 0 < len(tree) < adaptive_plan.FIRST_CHUNK - 1
-    assert built == [adaptive_plan.FIRST_CHUNK]
+    model = latency_models()["h100"]
+    tree = plan_adaptive(logprobs, token_ids, 1024, 1024, model, costs(per_token))
+    assert len(tree) == len(unfused(logprobs, token_ids, 1024, 1024, model, costs(per_token)))
+    assert (len(tree) < adaptive_plan.HEAP_NODES) == (not chunks)
+    assert built == chunks
 
 
 def test_zero_budget_plans_nothing() -> None:
@@ -145,7 +171,7 @@ def test_zero_budget_plans_nothing() -> None:
 def test_latency_errors_raise_as_choose(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     # With chunks of 2 the drop (a steep per-token cost: n* of a few nodes) comes long before width 101,
     # yet the plan raises as `choose` does on the whole tree.
-    monkeypatch.setattr(adaptive_plan, "FIRST_CHUNK", chunk)
+    monkeypatch.setattr(adaptive_plan, "HEAP_NODES", chunk)
     monkeypatch.setattr(adaptive_plan, "COST_CHUNK", chunk)
     narrow = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")), width_buckets=(2, 4, 8, 16))
     logprobs, token_ids = draft(1)

@@ -4,8 +4,8 @@ One speculative step (DESIGN.md, "One decode step"), with ctx = tokens in the ta
 token at position ctx:
 
 1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
-2. plan: `build_trees_auto` (best-first, up to the budget), the policy picks n, `flatten_trees` and
-   `build_verify_layout` give the W = n + 1 verify rows;
+2. plan: `build_trees_auto` (best-first, up to the budget), `plan_batch` (the worker's batch planner, at
+   B = 1) picks n, `flatten_trees` and `build_verify_layout` give the W = n + 1 verify rows;
 3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask;
 4. accept: greedy walk at temperature 0, else the sampling walk on the target's processed distribution;
    the accepted rows move to the front of the tree block and the cache is cut to ctx + accepted + 1;
@@ -30,14 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from bastion_sglang.controller import (
-    BudgetPolicy,
-    ChainPolicy,
-    FixedPolicy,
-    build_trees_auto,
-    expected_accept_length,
-    parse_policy,
-)
+from bastion_sglang.controller import BudgetPolicy, build_trees_auto, parse_policy, plan_batch
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
@@ -231,20 +224,10 @@ class ReferenceEngine:
         """(nodes to build, K candidates per depth) for `policy` with this proposer and latency model."""
         if self.proposer is None:
             raise ValueError("tree budgets need a drafter")
-        if isinstance(policy, ChainPolicy):
-            budget = self.proposer.depth
-        elif isinstance(policy, FixedPolicy):
-            budget = policy.nodes
-        else:
-            budget = self.max_nodes
         buckets = self.latency.width_buckets
-        if buckets is not None and budget + 1 > buckets[-1]:
-            if isinstance(policy, FixedPolicy | ChainPolicy):
-                raise ValueError(
-                    f"policy {policy!r} verifies up to {budget + 1} tokens, beyond the largest width "
-                    f"bucket {buckets[-1]} of the latency model"
-                )
-            budget = buckets[-1] - 1
+        budget = policy.tree_budget(
+            self.max_nodes, self.proposer.depth, None if buckets is None else buckets[-1]
+        )
         cap = policy.topk_cap if policy.topk_cap is not None else MAX_TOPK
         return budget, min(cap, MAX_TOPK, budget, self.vocab_size)
 
@@ -383,8 +366,8 @@ class ReferenceEngine:
                 proposal.logprobs if self.acceptance is None else self.acceptance.apply(proposal.logprobs)
             )
             trees = build_trees_auto(logprobs, proposal.token_ids, state.budget)
-            nodes = policy.choose(trees.log_scores[0], ctx, self.latency, self._costs_now(ctx))
-            expected = expected_accept_length(trees.row(0), nodes)  # host sync: Â for the statistics
+            plan = plan_batch(trees, [ctx], self.latency, self._costs_now(ctx), policy)  # host sync: scores
+            nodes, expected = plan.node_counts[0], plan.expected_accept[0]
             rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], nodes + 1)
             layout = build_verify_layout(rows, ctx_tensor)
         with timer.stage("verify"):

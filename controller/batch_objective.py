@@ -1,0 +1,171 @@
+"""The batch planner's objective, evaluated for many candidate plans at once (BASTION eqs. 3, 6, 7).
+
+Terms. A plan gives request i of a batch of B the first n_i nodes of its best-first tree (node scores
+log ρ_i1 >= log ρ_i2 >= ...). It is expected to commit Â_i(n_i) = 1 + c_i·Σ_{j<=n_i} ρ_ij tokens for request i
+(c_i: the online acceptance correction, 1 without one) and costs one cycle Ĉ = `StepCosts.cycle_seconds` of
+a verify pass over the batch, priced by `LatencyModel.predict_passes` (padded to the width bucket where the
+engine pads). Its estimated speedup over plain decoding, whose step of the whole batch commits B tokens in
+L_AR seconds, is Ŝ = Σ_i Â_i(n_i) · L_AR / (B · Ĉ).
+
+`BatchObjective` holds the host arrays of one batch and evaluates Ŝ for M plans with one latency prediction
+over all of them: every common n (`common`), given per-request counts (`ragged`), or every step of the greedy
+walk that hands nodes out by ρ across requests (`greedy_walk`). For B = 1 and a common n these are the
+values of the single-request curve Ŝ(n) = Â(n) · L_AR / Ĉ(n), bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from bastion_sglang.controller.verify_passes import VerifyPasses, check_contexts
+
+if TYPE_CHECKING:
+    from bastion_sglang.controller.latency import LatencyModel
+    from bastion_sglang.controller.profile import StepCosts
+
+
+def accept_curves(
+    log_scores: np.ndarray, accept_scale: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(drafted, accept), both [B, N + 1] float64: drafted[i, n] = Σ_{j<=n} ρ_ij (a running sum, left to
+    right), accept[i, n] = Â_i(n) = 1 + c_i·drafted[i, n].
+
+    log_scores: [B, N] float64 best-first log ρ per request; accept_scale: [B, 1] float64 factors c_i, None
+    for c_i = 1 (the same values: multiplying by 1 is exact).
+    """
+    gains = np.exp(log_scores)
+    drafted = np.zeros((gains.shape[0], gains.shape[1] + 1), dtype=np.float64)
+    np.cumsum(gains, axis=1, out=drafted[:, 1:])
+    return drafted, 1.0 + (drafted if accept_scale is None else drafted * accept_scale)
+
+
+def first_drop(values: np.ndarray) -> int:
+    """Index of the first i with values[i + 1] < values[i], or the last index if values never drop.
+
+    values: [M] float64 host array, M >= 1.
+    """
+    drops = np.flatnonzero(values[1:] < values[:-1])
+    return int(drops[0]) if drops.size else values.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class PlanEstimates:
+    """Estimates of M candidate plans of one batch."""
+
+    speedup: np.ndarray  # [M] float64: Ŝ = Σ_i Â_i · L_AR / (B · Ĉ)
+    verify_seconds: np.ndarray  # [M] float64: predicted seconds of the verify pass
+
+
+@dataclass(frozen=True)
+class BatchObjective:
+    """Ŝ of candidate plans for one batch (module docstring). Build it with `from_log_scores`."""
+
+    drafted: np.ndarray  # [B, N + 1] float64: Σ_{j<=n} ρ_ij, n = 0..N, before the acceptance correction
+    accept: np.ndarray  # [B, N + 1] float64: Â_i(n) = 1 + c_i·drafted[i, n]
+    gains: np.ndarray  # [B, N] float64: c_i·ρ_ij, each node's corrected gain in Â
+    contexts: np.ndarray  # [B] int64: cached tokens per request
+    latency: LatencyModel
+    costs: StepCosts
+
+    @classmethod
+    def from_log_scores(
+        cls,
+        log_scores: torch.Tensor | np.ndarray,
+        contexts: Sequence[int],
+        latency: LatencyModel,
+        costs: StepCosts,
+        accept_scale: Sequence[float] | None = None,
+    ) -> BatchObjective:
+        """log_scores: [B, N] best-first log ρ per request (any device: copied to the host once);
+        contexts: [B] cached tokens per request; accept_scale: [B] positive factors c_i (None: all 1).
+        ValueError when the lengths disagree, a factor is not > 0 or a context is not an int >= 0."""
+        if isinstance(log_scores, torch.Tensor):
+            log_scores = log_scores.detach().to(device="cpu", dtype=torch.float64).numpy()  # host sync
+        batch = log_scores.shape[0]
+        if len(contexts) != batch:
+            raise ValueError(f"ctx_lens has {len(contexts)} entries for a batch of {batch}")
+        if accept_scale is None:
+            scale = np.ones((batch, 1), dtype=np.float64)
+        elif len(accept_scale) != batch or any(not c > 0 for c in accept_scale):
+            raise ValueError(f"accept_scale needs {batch} positive factors, got {list(accept_scale)!r}")
+        else:
+            scale = np.array(accept_scale, dtype=np.float64).reshape(batch, 1)
+        drafted, accept = accept_curves(log_scores.astype(np.float64, copy=False), scale)
+        gains = np.exp(log_scores) * scale
+        return cls(drafted, accept, gains, check_contexts(contexts), latency, costs)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.accept.shape[0])
+
+    @property
+    def available(self) -> int:
+        """N, the nodes each request's tree holds."""
+        return int(self.accept.shape[1]) - 1
+
+    def common(self, nodes: np.ndarray) -> PlanEstimates:
+        """Plan m: every request verifies nodes[m] nodes (a pass of nodes[m] + 1 tokens per request, padded).
+
+        nodes: [M] int64 in 0..N. ValueError when a width exceeds the latency model's largest bucket.
+        """
+        batch = self.batch_size
+        widths = nodes + 1
+        passes = VerifyPasses.common(self.latency.padded_widths(widths), self.contexts)
+        committed = self.accept[:, nodes].sum(axis=0)
+        return self._estimates(committed, passes, batch * widths)
+
+    def ragged(self, counts: np.ndarray) -> PlanEstimates:
+        """Plan m: request i verifies counts[m, i] nodes; with width buckets every request of the pass is
+        padded to the bucket of the widest (as `LatencyModel.predict_batch` pads).
+
+        counts: [M, B] int64 in 0..N.
+        """
+        widths = counts + 1
+        buckets = self.latency.width_buckets
+        if buckets is None:
+            passes = VerifyPasses.ragged(widths, self.contexts)
+        else:
+            passes = VerifyPasses.common(self.latency.padded_widths(widths.max(axis=1)), self.contexts)
+        committed = np.take_along_axis(self.accept, counts.T, axis=1).sum(axis=0)
+        return self._estimates(committed, passes, widths.sum(axis=1))
+
+    def greedy_walk(self) -> np.ndarray:
+        """Per-request counts [B] int64 of the greedy ragged plan: nodes are handed out one at a time by
+        corrected gain c_i·ρ_ij across requests (row-major on ties), from n = 0 for every request, until Ŝ
+        first drops (exact for a sum of concave Â_i at any total). Every step of the walk is evaluated at
+        once; requests are padded to the widest where the latency model has width buckets."""
+        batch, available = self.gains.shape
+        if available == 0:
+            return np.zeros(batch, dtype=np.int64)
+        # a stable sort of the negated gains keeps each row's (non-increasing) order and row-major ties
+        order = np.argsort(-self.gains.reshape(-1), kind="stable")
+        rows, ranks = np.divmod(order, available)  # step k gives row rows[k] its node ranks[k] (0-based)
+        steps = self.accept[rows, ranks + 1] - self.accept[rows, ranks]
+        committed = np.concatenate(([float(batch)], batch + np.cumsum(steps)))
+        taken = np.arange(rows.shape[0] + 1)
+        if self.latency.width_buckets is None:
+            cached = int(self.contexts.sum())
+            pair_steps = self.contexts[rows] + 2 * ranks + 3  # (s+1)(c+s+1) - s(c+s) at s = rank + 1
+            passes = VerifyPasses(
+                tokens=batch + taken,
+                attention_pairs=cached + batch + np.concatenate(([0], np.cumsum(pair_steps))),
+                kv_tokens=cached + 2 * batch + 2 * taken,
+            )
+        else:
+            widest = np.maximum.accumulate(np.concatenate(([1], ranks + 2)))
+            passes = VerifyPasses.common(self.latency.padded_widths(widest), self.contexts)
+        walk = self._estimates(committed, passes, batch + taken)
+        stop = first_drop(walk.speedup)
+        return np.bincount(rows[:stop], minlength=batch).astype(np.int64)
+
+    def _estimates(self, committed: np.ndarray, passes: VerifyPasses, tokens: np.ndarray) -> PlanEstimates:
+        """Ŝ of M plans. committed: [M] Σ_i Â_i; passes: their verify passes; tokens: [M] int64 tokens the
+        batch verifies, padding excluded (the per-token step cost's count)."""
+        verify = self.latency.predict_passes(passes)
+        cycle = self.costs.cycle_seconds(verify, tokens)
+        return PlanEstimates(committed * self.costs.l_ar / (self.batch_size * cycle), verify)
