@@ -289,3 +289,25 @@ def test_plan_batch_keeps_speculating_when_it_pays() -> None:
     trees = batch_trees(2, 64, 0)
     plan = plan_batch(trees, [100, 100], latency(), COSTS, AdaptivePolicy(), allow_plain=True)
     assert plan.speculates and plan.estimated_speedup == plan.speculative_speedup > 1.0
+
+
+def test_tree_budget_per_policy() -> None:
+    bucketed = BucketedAdaptivePolicy(BUCKETS[1:])
+    assert AdaptivePolicy().tree_budget(1024, 15, None) == 1024
+    assert AdaptivePolicy().tree_budget(1024, 15, 257) == bucketed.tree_budget(1024, 15, 257) == 256
+    assert FixedPolicy(40).tree_budget(8, 15, 64) == 40  # a fixed budget is what it says, whatever N_max
+    assert ChainPolicy().tree_budget(1024, 15, 16) == 15
+    with pytest.raises(ValueError, match="verifies up to 41 tokens, beyond the largest width bucket 32"):
+        FixedPolicy(40).tree_budget(64, 15, 32)
+    with pytest.raises(ValueError, match="verifies up to 16 tokens, beyond the largest width bucket 8"):
+        ChainPolicy().tree_budget(64, 15, 8)
+
+
+def test_check_config_per_policy() -> None:
+    buckets = (2, 4, 8, 16, 33)
+    for policy in (AdaptivePolicy(), ChainPolicy(), FixedPolicy(32), BucketedAdaptivePolicy(buckets)):
+        policy.check_config(32, buckets)
+    with pytest.raises(ValueError, match="policy fixed:33 verifies more nodes than max_budget 32"):
+        FixedPolicy(33).check_config(32, buckets)
+    with pytest.raises(ValueError, match=r"the bucketed policy's buckets \(2, 4\) differ from width_buckets"):
+        BucketedAdaptivePolicy((2, 4)).check_config(32, buckets)
