@@ -30,7 +30,8 @@ from functools import lru_cache
 
 import torch
 
-from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, validate_budget, validate_draft
+from bastion_sglang.controller.fast_tree import best_first_nodes
+from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
 
 
 @dataclass(frozen=True)
@@ -206,19 +207,34 @@ def _merge_levels(
     )
 
 
-def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
-    """The trees of `build_trees`, built the fastest way for the device: the heap row by row on the host
-    (a few hundred microseconds per row at budget 1024 where torch ops are slow), the beam on CUDA (no host
-    sync). Both give identical results (tested). Same arguments as `build_trees`.
-    """
+def build_trees_host(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """The trees of `build_trees`, built row by row on the host by the exact threshold search
+    (`fast_tree.best_first_nodes`), then stacked on the device of `logprobs`. Same arguments; the input is
+    validated once on the host copy."""
     validate_draft(logprobs, token_ids, batched=True)
     validate_budget(budget)
-    if logprobs.is_cuda:
-        return build_trees_unchecked(logprobs, token_ids, budget)
-    rows = [build_tree(logprobs[b], token_ids[b], budget) for b in range(logprobs.shape[0])]
+    lattices = logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()  # host copy for the search
+    ids = token_ids.detach().to("cpu").numpy()
+    rows = [
+        best_first_nodes(lattices[b], budget).to_tree(ids[b], torch.device("cpu")) for b in range(len(ids))
+    ]
+    if not rows:
+        return DraftTreeBatch.empty(0, logprobs.device)
     return DraftTreeBatch(
-        tokens=torch.stack([r.tokens for r in rows]),
-        parents=torch.stack([r.parents for r in rows]),
-        depths=torch.stack([r.depths for r in rows]),
-        log_scores=torch.stack([r.log_scores for r in rows]),
+        tokens=torch.stack([r.tokens for r in rows]).to(logprobs.device),
+        parents=torch.stack([r.parents for r in rows]).to(logprobs.device),
+        depths=torch.stack([r.depths for r in rows]).to(logprobs.device),
+        log_scores=torch.stack([r.log_scores for r in rows]).to(logprobs.device),
     )
+
+
+def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """The trees of `build_trees`, built the fastest way for the device: the exact threshold search row by
+    row on the host (`build_trees_host`, where torch ops are slow), the beam on CUDA (no host sync). Both give
+    identical results (tested). Same arguments as `build_trees`.
+    """
+    if logprobs.is_cuda:
+        validate_draft(logprobs, token_ids, batched=True)
+        validate_budget(budget)
+        return build_trees_unchecked(logprobs, token_ids, budget)
+    return build_trees_host(logprobs, token_ids, budget)
