@@ -21,6 +21,7 @@ import torch
 
 from bastion_sglang.kernels import checks, reference
 from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
+from bastion_sglang.kernels.sampling import FilterRule, filter_rule, processed_probs
 from bastion_sglang.kernels.types import (
     NO_MOVE,
     NO_NODE,
@@ -38,6 +39,7 @@ __all__ = [
     "AcceptResult",
     "DraftTopK",
     "DraftTreeRows",
+    "FilterRule",
     "KvMoves",
     "OutputPenalties",
     "TreeBatch",
@@ -49,9 +51,11 @@ __all__ = [
     "apply_kv_moves",
     "apply_tree_penalties",
     "build_verify_layout",
+    "filter_rule",
     "flat_custom_mask",
     "flatten_trees",
     "position_uniforms",
+    "processed_probs",
     "sample_tokens",
     "topk_logprobs",
     "tree_attention",

@@ -9,9 +9,6 @@ row must be bit-identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -20,74 +17,10 @@ from bastion_sglang.kernels import reference
 from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
 from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties
 
-penaltylib = pytest.importorskip("sglang.srt.sampling.penaltylib")
-from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties  # noqa: E402
+pytest.importorskip("sglang.srt.sampling.penaltylib")
+from sglang_penalties import FakeReq, make_req, sglang_row
 
 VOCAB = 12
-PENALIZERS = {
-    penaltylib.BatchedFrequencyPenalizer,
-    penaltylib.BatchedMinNewTokensPenalizer,
-    penaltylib.BatchedPresencePenalizer,
-    penaltylib.BatchedRepetitionPenalizer,
-}
-
-
-@dataclass
-class FakeReq:
-    """The fields of SGLang's `Req` the penalizers read."""
-
-    output_ids: list[int]
-    sampling_params: SimpleNamespace
-    eos_token_ids: set[int] | None = None
-    tokenizer: SimpleNamespace = field(
-        default_factory=lambda: SimpleNamespace(additional_stop_token_ids=None, eos_token_id=None)
-    )
-
-
-class FakeBatch:
-    """What `BatchedPenalizerOrchestrator` reads from a ScheduleBatch."""
-
-    def __init__(self, reqs: list[FakeReq]) -> None:
-        self.reqs = reqs
-        self.device = "cpu"
-
-
-def make_req(
-    output: list[int],
-    frequency: float = 0.0,
-    presence: float = 0.0,
-    repetition: float = 1.0,
-    min_new: int = 0,
-    stop_ids: set[int] | None = None,
-    eos: set[int] | None = None,
-    tokenizer_eos: int | None = None,
-) -> FakeReq:
-    params = SimpleNamespace(
-        frequency_penalty=frequency,
-        presence_penalty=presence,
-        repetition_penalty=repetition,
-        min_new_tokens=min_new,
-        stop_token_ids=stop_ids,
-    )
-    tokenizer = SimpleNamespace(additional_stop_token_ids={VOCAB - 1}, eos_token_id=tokenizer_eos)
-    return FakeReq(output_ids=output, sampling_params=params, eos_token_ids=eos, tokenizer=tokenizer)
-
-
-def sglang_row(req: FakeReq, path: list[int], raw: torch.Tensor) -> torch.Tensor:
-    """SGLang's penalised logits [V] after the request's output followed by `path`, from raw [V]."""
-    batch = FakeBatch([req])
-    orchestrator = penaltylib.BatchedPenalizerOrchestrator(VOCAB, batch, PENALIZERS)
-    for token in [*req.output_ids, *path]:
-        orchestrator.cumulate_output_tokens(torch.tensor([token]))
-    logits = raw.clone()[None]
-    if orchestrator.is_required:
-        additive = torch.zeros((1, VOCAB), dtype=torch.float32)
-        orchestrator.accumulate_additive_penalties(additive)
-        logits.add_(additive)
-        scaling = orchestrator.accumulate_scaling_penalties()
-        if scaling is not None:
-            apply_scaling_penalties(logits, scaling)
-    return logits[0]
 
 
 def random_tree(generator: torch.Generator, batch: int, width: int) -> kernels.TreeBatch:
@@ -114,12 +47,14 @@ def batch_reqs(trees: kernels.TreeBatch) -> list[FakeReq]:
     """Requests mixing every penalty; each output ends with its verify root."""
     roots = [int(t) for t in trees.tokens[:, 0]]
     return [
-        make_req([3, 5, 3, roots[0]], frequency=0.7),
-        make_req([1, roots[1]], presence=0.9, eos={2}),
-        make_req([4, 4, 7, roots[2]], repetition=1.3),
-        make_req([roots[3]], min_new=3, stop_ids={6}, eos={2}, tokenizer_eos=0),
-        make_req([2, 9, 9, 1, roots[4]], frequency=0.3, presence=0.4, repetition=0.8, min_new=7, eos={5}),
-        make_req([8, roots[5]]),
+        make_req(VOCAB, [3, 5, 3, roots[0]], frequency=0.7),
+        make_req(VOCAB, [1, roots[1]], presence=0.9, eos={2}),
+        make_req(VOCAB, [4, 4, 7, roots[2]], repetition=1.3),
+        make_req(VOCAB, [roots[3]], min_new=3, stop_ids={6}, eos={2}, tokenizer_eos=0),
+        make_req(
+            VOCAB, [2, 9, 9, 1, roots[4]], frequency=0.3, presence=0.4, repetition=0.8, min_new=7, eos={5}
+        ),
+        make_req(VOCAB, [8, roots[5]]),
     ]
 
 
@@ -147,7 +82,7 @@ def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
         parents=torch.tensor([[kernels.NO_NODE, 0, 1, 2]]),
         depths=torch.tensor([[0, 1, 2, 3]]),
     )
-    req = make_req([5, 1], min_new=4, eos={2})
+    req = make_req(VOCAB, [5, 1], min_new=4, eos={2})
     penalties = output_penalties([req], VOCAB, torch.device("cpu"))
     assert penalties is not None
     logits = torch.zeros((1, 4, VOCAB))
@@ -159,12 +94,12 @@ def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
 
 
 def test_stop_ids_are_sglangs_set() -> None:
-    req = make_req([1], stop_ids={6}, eos={2, 6}, tokenizer_eos=0)
+    req = make_req(VOCAB, [1], stop_ids={6}, eos={2, 6}, tokenizer_eos=0)
     assert min_new_tokens_stop_ids(req) == [0, 2, 6, VOCAB - 1]
 
 
 def test_no_penalty_needs_no_state() -> None:
-    assert output_penalties([make_req([1, 2])], VOCAB, torch.device("cpu")) is None
+    assert output_penalties([make_req(VOCAB, [1, 2])], VOCAB, torch.device("cpu")) is None
 
 
 def test_bad_shapes_are_refused() -> None:

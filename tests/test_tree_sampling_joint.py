@@ -34,6 +34,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -41,14 +42,18 @@ from scipy.stats import chisquare
 
 from bastion_sglang.controller.batched import build_trees_unchecked
 from bastion_sglang.kernels import (
+    FilterRule,
     TreeBatch,
     accept_sampling,
+    apply_tree_penalties,
     build_verify_layout,
     flatten_trees,
     position_uniforms,
+    processed_probs,
     sample_tokens,
     topk_logprobs,
 )
+from bastion_sglang.request_penalties import output_penalties
 
 VOCAB = 5
 DEPTH = 3  # drafted positions per step (γ - 1)
@@ -471,3 +476,82 @@ def test_seeded_walk_emits_plain_decodings_tokens_whatever_the_tree_or_batch() -
         sequential_sample(c, s + 1, t, count) for c, s, t in zip(starts, seeds, temperatures, strict=True)
     ]
     assert other_seed != expected
+
+
+# ---------------------------------------------------------------- penalties and filters per node
+
+PENALTIES = {"frequency": 0.4, "presence": 0.3, "repetition": 1.5, "min_new": 2, "stop_ids": {4}}
+"""Output penalties of the request below: every one at once, and token 4 banned for the first 2 tokens."""
+FILTERS = {"temperature": 0.8, "top_k": 4, "top_p": 0.85, "min_p": 0.12}
+"""min-p with top-k and top-p at T > 0: the two filter rules differ on this target."""
+
+
+def penalised_request(output: Context) -> Any:
+    """A stand-in SGLang request with PENALTIES that has output `output` so far."""
+    from sglang_penalties import make_req
+
+    return make_req(VOCAB, list(output), **PENALTIES)
+
+
+def processed_rows(logits: torch.Tensor, rule: FilterRule) -> torch.Tensor:
+    """[M, V] penalised logits -> [M, V] float64 processed distributions (FILTERS under `rule`)."""
+    rows = logits.shape[0]
+    weights = processed_probs(
+        logits,
+        torch.full((rows,), FILTERS["temperature"]),
+        torch.full((rows,), FILTERS["top_k"], dtype=torch.int64),
+        torch.full((rows,), FILTERS["top_p"]),
+        torch.full((rows,), FILTERS["min_p"]),
+        rule,
+    ).double()
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def raw_logits(context: Context) -> torch.Tensor:
+    """[V] float32 target logits at `context` (log of target_probs; -inf where it is 0)."""
+    return torch.tensor(target_probs(context), dtype=torch.float64).log().float()
+
+
+@functools.cache
+def sequential_probs(context: Context, rule: FilterRule) -> tuple[float, ...]:
+    """Plain decoding's distribution after `context` (the whole output so far): SGLang's own penalizers
+    cumulated over the context, then the filters."""
+    from sglang_penalties import sglang_row
+
+    row = sglang_row(penalised_request(()), list(context), raw_logits(context))
+    return tuple(processed_rows(row[None], rule)[0].tolist())
+
+
+@functools.cache
+def penalised_step_tree(kind: str, context: Context, rule: FilterRule) -> StepTree:
+    """`step_tree`'s verify row with the worker's per-node distributions: `apply_tree_penalties` over the
+    tree (output so far = context, root = its last token), then `processed_probs`."""
+    tree = step_tree(kind, context)
+    logits = torch.stack([raw_logits(context + path) for path in tree.paths])[None]
+    penalties = output_penalties([penalised_request(context)], VOCAB, torch.device("cpu"))
+    assert penalties is not None
+    ancestors = build_verify_layout(tree.rows, torch.tensor([0])).ancestor_mask
+    apply_tree_penalties(logits, tree.rows.tokens, ancestors, penalties)
+    return StepTree(tree.rows, processed_rows(logits[0], rule), tree.paths)
+
+
+@pytest.mark.parametrize("rule", [FilterRule.JOINT, FilterRule.SEQUENTIAL])
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_exact_joint_with_penalties_and_filters_equals_plain_decoding(kind: str, rule: FilterRule) -> None:
+    """With every output penalty and min-p + top-k + top-p at T = 0.8, the kernel's exact law of the first
+    three tokens (enumerated uniforms, steps chained) equals plain decoding's product of conditionals, each
+    computed by SGLang's penalizers over the whole output so far; the penalties and filters do change it."""
+    pytest.importorskip("sglang")
+    enumerated = functools.cache(lambda context: kernel_step_law(penalised_step_tree(kind, context, rule)))
+    law = first_tokens_law(enumerated, (), OUTPUT_TOKENS)
+    assert abs(sum(law.values()) - 1.0) < EXACT_TOLERANCE
+
+    def plain(tokens: tuple[int, ...]) -> float:
+        return math.prod(sequential_probs(tokens[:i], rule)[t] for i, t in enumerate(tokens))
+
+    triples = list(itertools.product(range(VOCAB), repeat=OUTPUT_TOKENS))
+    error = max(abs(law.get(triple, 0.0) - plain(triple)) for triple in triples)
+    assert error < EXACT_TOLERANCE, error
+    assert all(law.get(triple, 0.0) == 0.0 for triple in triples if 4 in triple[:2])
+    assert max(abs(plain(triple) - target_joint(triple)) for triple in triples) > 0.05
+    assert max(len(emitted) for emitted in enumerated(())) >= 2  # draft tokens do get accepted

@@ -1,0 +1,91 @@
+"""The target's processed next-token distribution, filtered exactly as SGLang 0.5.23's sampler filters it.
+
+With p = softmax(logits / temperature) sorted descending (rank 0 = the mode), SGLang's sampler
+(`layers/sampler.py`) keeps, depending on its sampling backend:
+
+- `FilterRule.NONE`, when no request of the batch sets top-k, top-p or min-p (its "simple" case): p itself;
+- `FilterRule.JOINT`, the `pytorch` backend (`top_k_top_p_min_p_sampling_from_probs_torch`), and the
+  `flashinfer` backend without min-p (`top_k_top_p_sampling_from_probs`, filter order "joint"): a token
+  survives if its rank is < top_k, the mass of p ranked strictly before it is <= top_p, and (min-p set)
+  p >= min_p · p_max; every test on the unfiltered p;
+- `FilterRule.SEQUENTIAL`, the `flashinfer` backend with min-p: `top_k_renorm_prob`, then
+  `top_p_renorm_prob` on that renormalised distribution (the top-p mass test is on p restricted to the
+  top-k, renormalised), then min-p (p >= min_p · p_max, unchanged by renormalising).
+
+A probability exactly on a top-p boundary is kept (SGLang's torch rule); flashinfer's pivot search may
+decide such a measure-zero tie the other way.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class FilterRule(enum.Enum):
+    """How top-k, top-p and min-p combine (see the module docstring)."""
+
+    NONE = "none"
+    JOINT = "joint"
+    SEQUENTIAL = "sequential"
+
+
+def filter_rule(sampling_backend: str, needs_top_k_or_top_p: bool, needs_min_p: bool) -> FilterRule:
+    """The rule SGLang's sampler applies to a batch.
+
+    sampling_backend: SGLang's `--sampling-backend` ("pytorch" or "flashinfer"); needs_*: whether some
+    request of the batch sets the filter (SamplingBatchInfo.need_top_k_sampling / need_top_p_sampling /
+    need_min_p_sampling).
+    """
+    if sampling_backend not in ("pytorch", "flashinfer"):
+        raise ValueError(f"sampling backend must be 'pytorch' or 'flashinfer', got {sampling_backend!r}")
+    if not (needs_top_k_or_top_p or needs_min_p):
+        return FilterRule.NONE
+    if sampling_backend == "flashinfer" and needs_min_p:
+        return FilterRule.SEQUENTIAL
+    return FilterRule.JOINT
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    rule: FilterRule,
+) -> torch.Tensor:
+    """The distribution SGLang's sampler draws each row's token from, as unnormalised weights.
+
+    logits: [M, V] floating (penalties, grammar masks and biases applied). temperatures: [M] > 0.
+    top_ks: [M] integer (>= V or SGLang's TOP_K_ALL: no limit). top_ps: [M] in (0, 1]. min_ps: [M] in [0, 1).
+    rule: `filter_rule` of the batch. Returns [M, V] float32 non-negative weights, zero where filtered out;
+    each row has positive mass (the mode always survives) and is proportional to p on its support.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be floating [M, V], got {logits.dtype} {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    for name, value in (
+        ("temperatures", temperatures),
+        ("top_ks", top_ks),
+        ("top_ps", top_ps),
+        ("min_ps", min_ps),
+    ):
+        if value.shape != (rows,):
+            raise ValueError(f"{name} must be [M] = ({rows},), got {tuple(value.shape)}")
+    probs = torch.softmax(logits.float() / temperatures.float()[:, None], dim=-1)
+    if rule is FilterRule.NONE:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    in_top_k = ranks < top_ks[:, None]
+    if rule is FilterRule.JOINT:
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    else:
+        top_k_probs = sorted_probs * in_top_k
+        top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
+        mass_before = torch.cumsum(top_k_probs, dim=-1) - top_k_probs
+    keep = in_top_k & (mass_before <= top_ps.float()[:, None])
+    keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
+    kept = sorted_probs.masked_fill(~keep, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, kept)
