@@ -14,8 +14,8 @@ while building only what it needs:
 
 Why n* is the same. (a) The first m nodes of the heap's order do not depend on the budget once it is >= m,
 and the heap and the exact builder give the same nodes in the same order with the same float64 scores; so a
-prefix of m nodes holds the full tree's first m scores, bit for bit. (b) The exact check forms Â with
-`batch_objective.accept_curves` (elementwise exp, a left-to-right running sum) and Ĉ with
+prefix of m nodes holds the full tree's first m scores, bit for bit. (b) The exact check forms Â as
+`batch_objective.accept_curves` does (elementwise exp, a left-to-right running sum) and Ĉ with
 `LatencyModel.predict_passes` and `StepCosts.cycle_seconds` (elementwise over widths), so each Ŝ(n) is the
 value `BatchObjective.common` gives the policy at B = 1. (c) `first_drop` over a prefix finds the full curve's
 first drop whenever that lies before the prefix's last node. The scalar running Ŝ (libm exp) may differ from
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bastion_sglang.controller.batch_objective import accept_curves, first_drop
+from bastion_sglang.controller.batch_objective import first_drop
 from bastion_sglang.controller.batched import lattice_size
 from bastion_sglang.controller.fast_tree import (
     HostNodes,
@@ -48,12 +48,15 @@ if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
     from bastion_sglang.controller.profile import StepCosts
 
-HEAP_NODES = 64
+HEAP_NODES = 160
 """Most nodes the heap phase pops: below this a pop costs less than a chunk of the exact builder."""
 CHUNK_GROWTH = 4
 """Each chunk of the chunk phase holds this many times the nodes of the previous prefix."""
 COST_CHUNK = 64
 """Least number of widths per latency prediction (one call costs about the same for up to a few hundred)."""
+
+HeapEntry = tuple[float, int, tuple, int, float]
+"""(-score, depth, nested path, parent index or ROOT, score): one node waiting in the heap phase's heap."""
 
 
 class _CycleCurve:
@@ -74,7 +77,7 @@ class _CycleCurve:
             widths = np.arange(covered + 2, upto + 2, dtype=np.int64)
             passes = VerifyPasses.common(self._latency.padded_widths(widths), self._contexts)
             cycle = self._costs.cycle_seconds(self._latency.predict_passes(passes), widths)
-            self.seconds = np.concatenate((self.seconds, cycle))
+            self.seconds = np.concatenate((self.seconds, cycle)) if covered else cycle
         return self.seconds[:n]
 
 
@@ -112,19 +115,23 @@ def plan_adaptive(
 def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes | None:
     """The first n* nodes if the heap phase finds the drop (or pops all N_max nodes), else None.
 
-    The pops are `tree.build_tree`'s: entries (-score, depth, rank tuple, parent, score), the sibling and the
-    first child pushed after each pop. lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds.
+    The pops are `tree.build_tree`'s, in the same order: entries (-score, depth, path, parent, score), the
+    sibling and the first child pushed after each pop. A path is the rank tuple nested as (parent's path,
+    rank), ((), r) at depth 1: nested tuples of one depth compare as their flat rank tuples do, and each is
+    built in O(1). lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds.
     """
     depth_count, width = lattice.shape
     limit = min(n_max, HEAP_NODES)
-    seconds = cycle.cover(limit).tolist()
     item, firsts = lattice.item, lattice[:, 0].tolist()
     push, pop, exp = heapq.heappush, heapq.heappop, math.exp
-    heap: list[tuple[float, int, tuple[int, ...], int, float]] = [(-firsts[0], 1, (0,), ROOT, firsts[0])]
+    heap: list[HeapEntry] = [(-firsts[0], 1, ((), 0), ROOT, firsts[0])]
     scores: list[float] = []
-    popped: list[tuple[float, int, tuple[int, ...], int, float]] = []
+    popped: list[HeapEntry] = []
+    seconds: list[float] = []
     drafted, previous = 0.0, -math.inf
     for index in range(limit):
+        if index == len(seconds):
+            seconds = cycle.cover(min(limit, index + COST_CHUNK)).tolist()
         entry = pop(heap)
         _, depth, path, parent, score = entry
         scores.append(score)
@@ -137,25 +144,23 @@ def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: 
             if stop is not None:
                 return nodes.head(stop)
         previous = estimate
-        last = path[-1]
+        up, last = path
         if last + 1 < width:
             sibling = (0.0 if parent == ROOT else scores[parent]) + item(depth - 1, last + 1)
-            push(heap, (-sibling, depth, (*path[:-1], last + 1), parent, sibling))
+            push(heap, (-sibling, depth, (up, last + 1), parent, sibling))
         if depth < depth_count:
             child = score + firsts[depth]
-            push(heap, (-child, depth + 1, (*path, 0), index, child))
+            push(heap, (-child, depth + 1, (path, 0), index, child))
     return nodes if limit == n_max else None
 
 
-def _host_nodes(
-    scores: list[float], popped: list[tuple[float, int, tuple[int, ...], int, float]]
-) -> HostNodes:
+def _host_nodes(scores: list[float], popped: list[HeapEntry]) -> HostNodes:
     """HostNodes of the heap's pops, in order. scores: [m] their scores; popped: [m] their heap entries."""
     return HostNodes(
         scores=np.array(scores),
         parents=np.array([entry[3] for entry in popped], dtype=np.int64),
         depths=np.array([entry[1] for entry in popped], dtype=np.int64),
-        ranks=np.array([entry[2][-1] for entry in popped], dtype=np.int64),
+        ranks=np.array([entry[2][1] for entry in popped], dtype=np.int64),
     )
 
 
@@ -178,6 +183,6 @@ def _first_drop_within(nodes: HostNodes, cycle: np.ndarray, l_ar: float) -> int 
     """n* if Ŝ first drops before the prefix's last node, else None. nodes: the first m best-first nodes;
     cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
     `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ."""
-    accept = accept_curves(nodes.scores[None])[1][0, 1:]
+    accept = 1.0 + np.cumsum(np.exp(nodes.scores))  # Â(1..m): the values of `accept_curves`
     drop = first_drop(accept * l_ar / cycle)
     return drop + 1 if drop < len(nodes) - 1 else None

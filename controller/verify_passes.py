@@ -41,7 +41,7 @@ class VerifyPasses:
         widths: [M] int64 tokens per request (>= 1); contexts: [B] int64 cached tokens per request (>= 0).
         """
         batch = contexts.shape[0]
-        cached = int(contexts.sum())
+        cached = sum(contexts.tolist())  # exact: Python ints
         return cls(
             tokens=batch * widths,
             attention_pairs=widths * (cached + batch * widths),

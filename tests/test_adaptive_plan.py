@@ -141,7 +141,8 @@ def test_builds_no_chunk_past_the_drop(
     monkeypatch: pytest.MonkeyPatch, per_token: float, chunks: list[int]
 ) -> None:
     # A steep per-token cost: the heap phase finds the drop and no chunk is built. No per-token cost: n* lies
-    # past the heap phase and the prefix grows 256, 1024 (= N_max).
+    # past a heap phase of 64 nodes and the prefix grows 256, 1024 (= N_max).
+    monkeypatch.setattr(adaptive_plan, "HEAP_NODES", 64)
     built: list[int] = []
     real = adaptive_plan.best_first_nodes
 
