@@ -9,6 +9,8 @@ How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
   attributes, so the worker reads the same object. Python callers attach one with `attach_config`.
 - `bastion_sglang.cpu_support`: on a CPU-only torch build, what SGLang needs to import and run there
   (at registration), and a hook on `Scheduler.__init__` that adds BASTION's CPU stand-ins.
+- A hook on SGLang's per-request DFlash check refuses, per request, the parameters BASTION cannot honour
+  exactly (`bastion_sglang.request_support`).
 - A hook on `ModelRunner._decode_cuda_graph_runner_cls` gives BASTION's target its own verify graph runner
   (`bastion_sglang.graphs`: captured with the tree mask, one per width bucket).
 
@@ -233,6 +235,25 @@ def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs:
     cpu_support.prepare_scheduler_process(server_args)
 
 
+def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bool) -> str | None:
+    """AROUND hook of `dflash_utils.validate_dflash_request(req, enable_overlap)`, SGLang's per-request check
+    for the DFlash family: on a BASTION server, also the parameters BASTION cannot honour exactly
+    (`request_support.unsupported_parameter`). A message aborts that request only (HTTP 400)."""
+    error = original(req, enable_overlap)
+    if error is not None or not _serving_bastion():
+        return error
+    from bastion_sglang.request_support import unsupported_parameter
+
+    return unsupported_parameter(req)
+
+
+def _serving_bastion() -> bool:
+    """Whether this scheduler process serves `--speculative-algorithm BASTION`."""
+    from sglang.srt.runtime_context import get_spec
+
+    return str(get_spec().speculative_algorithm or "").upper() == ALGORITHM
+
+
 def _verify_graph_runner_class(runner_class: type, model_runner: Any) -> type | None:
     """AFTER hook of `ModelRunner._decode_cuda_graph_runner_cls()`: BASTION's target model runner captures
     its verify graphs with `graphs.BastionVerifyGraphRunner` (tree mask; the largest width bucket), every
@@ -351,6 +372,7 @@ def handle_server_args(server_args: Any) -> None:
         draft_hf_config.to_dict(), target_num_layers=int(target_hf_config.num_hidden_layers)
     )
     check_drafter_fits(drafter, target_hf_config.to_dict())
+    check_draft_logits_supported(draft_hf_config)
 
     width_cap = config.verify_width_cap
     context_len = int(model_config_of(server_args).context_len)
@@ -392,6 +414,28 @@ def handle_server_args(server_args: Any) -> None:
         logger.warning(
             "%s does not support mixed chunked prefill; --enable-mixed-chunk is now off.", ALGORITHM
         )
+
+
+def check_draft_logits_supported(draft_hf_config: Any) -> None:
+    """Refuse a drafter whose DFlash config makes SGLang's draft distributions something other than
+    softmax(hidden_states @ lm_head.T), which is what BASTION's draft step computes: a candidate selector
+    (`selector_rank`), an `output_multiplier` other than 1, `final_logit_softcapping`, or the Domino
+    projector (`projector_type`). Raises ValueError naming the field."""
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    parsed = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
+    unsupported = {
+        "selector_rank": parsed.selector_rank if parsed.selector_rank else None,
+        "output_multiplier": parsed.output_multiplier if parsed.output_multiplier != 1.0 else None,
+        "final_logit_softcapping": parsed.final_logit_softcapping,
+        "projector_type": parsed.projector_type if parsed.is_domino else None,
+    }
+    for field, value in unsupported.items():
+        if value is not None:
+            raise ValueError(
+                f"{ALGORITHM} does not support the drafter's dflash_config.{field} = {value!r}: its draft "
+                "logits bypass it. Serve this drafter with --speculative-algorithm DFLASH"
+            )
 
 
 def _check_parallelism(cfg: Any) -> None:
@@ -456,6 +500,9 @@ def register_algorithm() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_init_hook, HookType.BEFORE
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_utils.validate_dflash_request", _validate_request, HookType.AROUND
     )
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls",

@@ -26,7 +26,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target
 from bastion_sglang.controller import FixedPolicy
 from bastion_sglang.controller.profile import ProfileError
 from bastion_sglang.drafter_config import DrafterMismatchError
-from bastion_sglang.registration import BastionSpecAlgo, config_of
+from bastion_sglang.registration import BastionSpecAlgo, check_draft_logits_supported, config_of
 
 load_plugins()
 
@@ -211,3 +211,27 @@ def test_unsupported_setups_are_refused_at_resolution(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         _resolve(_argv(models, *extra))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("final_logit_softcapping", 30.0),
+        ("output_multiplier", 2.0),
+        ("selector_rank", 4),
+        ("projector_type", "domino"),
+    ],
+)
+def test_drafters_whose_draft_logits_bastion_bypasses_are_refused(field: str, value: object) -> None:
+    dflash = {"target_layer_ids": [0, 2], field: value}
+    if field == "selector_rank":
+        dflash["selector_top_k"] = 8
+    if field == "projector_type":
+        dflash |= {"gru_hidden_dim": 16, "emb_dim": 16, "pure_draft_prefix_len": 1, "shift_label": True}
+    config = {"num_hidden_layers": 2, "block_size": 8, "dflash_config": dflash}
+    with pytest.raises(ValueError, match=rf"dflash_config\.{field}"):
+        check_draft_logits_supported(config)
+
+
+def test_a_plain_dflash_drafter_is_accepted() -> None:
+    check_draft_logits_supported({"num_hidden_layers": 2, "dflash_config": {"output_multiplier": 1.0}})

@@ -1,0 +1,41 @@
+"""Request parameters BASTION cannot honour exactly, refused per request with SGLang's own error path.
+
+SGLang's scheduler validates every request of a DFlash-family algorithm with `validate_dflash_request`;
+an error message there finishes the request with an abort that carries the message back to the client
+(HTTP 400 on the server), and the server keeps serving. `registration` wraps that check so a BASTION server
+also refuses what its tree step would otherwise silently change:
+
+- `custom_logit_processor`: SGLang calls it once per request per step, after the output so far; a tree
+  step verifies many positions of a request in one pass, and a processor's result may depend on the
+  position or the request's state (it receives the request), which BASTION cannot replay per node;
+- `return_hidden_states`: the verify pass's hidden states are those of the whole tree, not of the output;
+- `watermark`: SGLang's watermark biases its own sampler's candidates, which the sampling walk bypasses;
+- `return_sampling_mask`: SGLang records the sampler's support per sampled token, which the walk does not;
+- `beam_width` > 1: beam search replaces decoding, speculation does not apply to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+REFUSAL_PREFIX = "--speculative-algorithm BASTION cannot honour"
+"""How every refusal message starts (the parameter's name follows)."""
+
+
+def unsupported_parameter(req: Req) -> str | None:
+    """The refusal message for the first parameter of `req` BASTION cannot honour exactly, or None."""
+    params = req.sampling_params
+    refusals = (
+        (req.custom_logit_processor is not None, "custom_logit_processor", "it may depend on the position"),
+        (bool(req.return_hidden_states), "return_hidden_states", "verify passes hold tree states"),
+        (getattr(params, "watermark", None) is not None, "watermark", "the tree sampler bypasses it"),
+        (bool(getattr(req, "return_sampling_mask", False)), "return_sampling_mask", "not recorded"),
+        ((getattr(params, "beam_width", None) or 1) > 1, "beam_width", "beam search is not speculative"),
+    )
+    for refused, name, reason in refusals:
+        if refused:
+            return f"{REFUSAL_PREFIX} {name} ({reason}); send it to a server without speculation"
+    return None
