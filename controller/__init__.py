@@ -4,7 +4,10 @@ Imports torch, numpy and pydantic only (never sglang): usable and testable with 
 """
 
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, fit_acceptance
-from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_auto
+from bastion_sglang.controller.adaptive_plan import plan_adaptive
+from bastion_sglang.controller.batch_objective import BatchObjective
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_auto, build_trees_host
+from bastion_sglang.controller.fast_tree import build_tree_fast
 from bastion_sglang.controller.gate import SpeculationGate
 from bastion_sglang.controller.latency import (
     DecodeFit,
@@ -49,6 +52,7 @@ __all__ = [
     "AcceptanceCalibration",
     "AcceptanceTracker",
     "AdaptivePolicy",
+    "BatchObjective",
     "BatchPlan",
     "BucketedAdaptivePolicy",
     "BudgetPolicy",
@@ -72,8 +76,10 @@ __all__ = [
     "StepCostTracker",
     "StepCosts",
     "build_tree",
+    "build_tree_fast",
     "build_trees",
     "build_trees_auto",
+    "build_trees_host",
     "config_hash",
     "evaluate_fit",
     "expected_accept_length",
@@ -83,6 +89,7 @@ __all__ = [
     "lookup_gpu",
     "parse_policy",
     "plain_plan",
+    "plan_adaptive",
     "plan_batch",
     "save_profile",
     "validate_leave_out",
