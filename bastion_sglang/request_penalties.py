@@ -13,10 +13,35 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bastion_sglang.kernels.penalties import OutputPenalties
+from bastion_sglang.kernels.penalties import OutputPenalties, Penalty
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
+
+
+def sglang_penalty_order() -> tuple[Penalty, ...]:
+    """The order in which SGLang's sampler applies its penalizers in this process.
+
+    `SamplingBatchInfo.from_schedule_batch` builds the orchestrator from a set literal of the four penalizer
+    classes, and the orchestrator applies them in that set's iteration order, which depends on the classes'
+    hashes (their ids): fixed within a process, not across processes. The same literal, built here in the
+    scheduler process, iterates in the same order.
+    """
+    from sglang.srt.sampling import penaltylib
+
+    penalizers = {
+        penaltylib.BatchedFrequencyPenalizer,
+        penaltylib.BatchedMinNewTokensPenalizer,
+        penaltylib.BatchedPresencePenalizer,
+        penaltylib.BatchedRepetitionPenalizer,
+    }
+    kinds = {
+        penaltylib.BatchedFrequencyPenalizer: Penalty.FREQUENCY,
+        penaltylib.BatchedMinNewTokensPenalizer: Penalty.MIN_NEW_TOKENS,
+        penaltylib.BatchedPresencePenalizer: Penalty.PRESENCE,
+        penaltylib.BatchedRepetitionPenalizer: Penalty.REPETITION,
+    }
+    return tuple(kinds[penalizer] for penalizer in penalizers)
 
 
 def has_output_penalty(req: Req) -> bool:

@@ -7,12 +7,14 @@ One decode step for a batch of B requests (each with prefix L_b and root = its b
 2. plan: `controller.build_trees` (best-first, N_max nodes), `controller.plan_batch` (one width W for the
    batch), `kernels.flatten_trees` / `build_verify_layout` / `flat_custom_mask`.
 3. verify: the target's TARGET_VERIFY forward over the B x W tokens, slots req_to_token[r, L : L + W].
-4. accept: structured-output requests first mask each node's logits by their grammar along the node's
-   path (SGLang's `GrammarTree` over the first-child / next-sibling links). T = 0: `kernels.accept_greedy`;
-   otherwise `kernels.accept_sampling` on the target's processed distribution (temperature, top-k, top-p,
-   min-p exactly as SGLang's sampler filters them) with uniforms hashed from the request's seed and the
-   sequence position (`kernels.position_uniforms`: seeded output is batch-invariant). Emitted: the accepted
-   nodes' tokens, then the bonus (a target sample).
+4. accept: each node's logits get the request's output penalties (repetition, frequency, presence,
+   min_new_tokens) for the output so far plus the node's own path (`kernels.apply_tree_penalties`), then
+   structured-output requests mask them by their grammar along the node's path (SGLang's `GrammarTree`
+   over the first-child / next-sibling links), then the request's logit_bias is added: SGLang's order.
+   T = 0: `kernels.accept_greedy`; otherwise `kernels.accept_sampling` on the target's processed
+   distribution (temperature, top-k, top-p, min-p exactly as SGLang's sampler filters them) with uniforms
+   hashed from the request's seed and the sequence position (`kernels.position_uniforms`: seeded output is
+   batch-invariant). Emitted: the accepted nodes' tokens, then the bonus (a target sample).
 5. commit: the accepted nodes' slots are moved to the front of the window by permuting the request's
    slot ids (no KV is copied; the rejected slots stay in the request's reserve), the accepted positions'
    target hidden states become drafter KV, and the latency model observes the measured verify seconds.
@@ -39,8 +41,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
     enable_num_token_non_padded,
 )
-from sglang.srt.runtime_context import get_observability, get_parallel, get_schedule, get_spec
-from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.runtime_context import get_exec, get_observability, get_parallel, get_schedule, get_spec
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -75,6 +76,7 @@ from bastion_sglang.metrics import (
     scheduler_metric_labels,
 )
 from bastion_sglang.registration import config_of
+from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
 from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
 
 if TYPE_CHECKING:
@@ -227,39 +229,35 @@ def is_greedy(req: Req) -> bool:
     return params.top_k == 1 or params.temperature <= 0.0
 
 
-def target_sampling_probs(logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int) -> torch.Tensor:
-    """The distribution SGLang's sampler draws from after each verify position.
+def target_sampling_probs(
+    logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int, sampling_backend: str
+) -> torch.Tensor:
+    """The distribution SGLang's sampler draws from after each verify position (`kernels.processed_probs`
+    with the filter rule of this batch and SGLang's `sampling_backend`).
 
-    logits: [B * W, V] float (penalties and biases applied). Softmax of logits / temperature, then, on the
-    descending sort: ranks >= top_k dropped, tokens whose preceding cumulative mass exceeds top_p dropped,
-    tokens below min_p x the top probability dropped (SGLang's `top_k_top_p_min_p_sampling_from_probs_torch`).
-    When no request of the batch sets top-k, top-p or min-p: the softmax itself, as SGLang's sampler takes it
-    then (its simple sampling case, no sort over the vocabulary).
-    Returns [B, W, V] unnormalised non-negative weights (sampling normalises).
+    logits: [B * W, V] float (penalties, grammar masks and biases applied). Returns [B, W, V] unnormalised
+    non-negative weights (sampling normalises).
     """
     rows, vocab = logits.shape
     batch = rows // width
 
     def per_position(values: torch.Tensor) -> torch.Tensor:
-        return torch.repeat_interleave(values.reshape(batch, -1)[:, :1], width, dim=0)
+        return torch.repeat_interleave(values.reshape(batch, -1)[:, 0], width)
 
-    probs = torch.softmax(logits.float() / per_position(sampling_info.temperatures), dim=-1)
-    if not (
-        sampling_info.need_top_k_sampling
-        or sampling_info.need_top_p_sampling
-        or sampling_info.need_min_p_sampling
-    ):
-        return probs.view(batch, width, vocab)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    cumulative = torch.cumsum(sorted_probs, dim=-1)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_probs[ranks >= per_position(sampling_info.top_ks)] = 0.0
-    sorted_probs[(cumulative - sorted_probs) > per_position(sampling_info.top_ps)] = 0.0
-    if sampling_info.need_min_p_sampling:
-        threshold = sorted_probs[:, :1] * per_position(sampling_info.min_ps)
-        sorted_probs[sorted_probs < threshold] = 0.0
-    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    return filtered.view(batch, width, vocab)
+    rule = kernels.filter_rule(
+        sampling_backend,
+        sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling,
+        sampling_info.need_min_p_sampling,
+    )
+    probs = kernels.processed_probs(
+        logits,
+        per_position(sampling_info.temperatures),
+        per_position(sampling_info.top_ks),
+        per_position(sampling_info.top_ps),
+        per_position(sampling_info.min_ps),
+        rule,
+    )
+    return probs.view(batch, width, vocab)
 
 
 def compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
@@ -322,6 +320,9 @@ class BastionWorker(DFlashWorkerV2):
         )
         self._reserve = 2 * max(block_size, self.config.verify_width_cap)
         self._vocab_size = int(self.model_runner.model_config.vocab_size)
+        self._sampling_backend = str(get_exec().kernel.sampling_backend)  # resolved by SGLang's server args
+        kernels.filter_rule(self._sampling_backend, False, False)  # refuses a backend it cannot reproduce
+        self._penalty_order = sglang_penalty_order()
         self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
         self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
         self._graph_widths = planned_graph_widths(torch.device(self.device), self.config.width_buckets)
@@ -492,9 +493,17 @@ class BastionWorker(DFlashWorkerV2):
             next_logits = real_rows(logits_output.next_token_logits, bs, width)[:, : self._vocab_size]
             next_logits = next_logits.contiguous()
             sampling_info = batch.sampling_info
-            apply_dflash_verify_logits_adjustments(
-                next_token_logits=next_logits, sampling_info=sampling_info, draft_token_num=width
-            )
+            penalties = output_penalties(batch.reqs, self._vocab_size, next_logits.device)
+            if penalties is not None:
+                ancestors = (
+                    torch.ones((bs, 1, 1), dtype=torch.bool, device=next_logits.device)
+                    if plain_decode
+                    else layout.ancestor_mask
+                )
+                logits_3d = next_logits.view(bs, width, -1)
+                kernels.apply_tree_penalties(
+                    logits_3d, rows.tokens, ancestors, penalties, self._penalty_order
+                )
             if grammar_tree is not None:
                 grammar_mask = build_grammar_vocab_mask(
                     reqs=batch.reqs,
@@ -505,10 +514,12 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 if grammar_mask is not None:
                     grammar_mask.apply(next_logits)
+            if sampling_info.logit_bias is not None:
+                next_logits.view(bs, width, -1).add_(sampling_info.logit_bias[:, None, :])
             if sampling_info.is_all_greedy:
                 accept = kernels.accept_greedy(rows, next_logits.view(bs, width, -1))
             else:
-                probs = target_sampling_probs(next_logits, sampling_info, width)
+                probs = target_sampling_probs(next_logits, sampling_info, width, self._sampling_backend)
                 uniforms = kernels.position_uniforms(draft_input.seeds, prefix[:, None] + 1 + rows.depths)
                 accept = kernels.accept_sampling(rows, probs, uniforms)
             order = compaction_order(accept.accept_index, accept.accept_length)

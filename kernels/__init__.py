@@ -20,7 +20,7 @@ import importlib.util
 import torch
 
 from bastion_sglang.kernels import checks, reference
-from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
+from bastion_sglang.kernels.penalties import OutputPenalties, Penalty, apply_tree_penalties
 from bastion_sglang.kernels.sampling import FilterRule, filter_rule, processed_probs
 from bastion_sglang.kernels.types import (
     NO_MOVE,
@@ -42,6 +42,7 @@ __all__ = [
     "FilterRule",
     "KvMoves",
     "OutputPenalties",
+    "Penalty",
     "TreeBatch",
     "VerifyLayout",
     "accept_greedy",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 from sglang.srt.sampling import penaltylib
-from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
 PENALIZERS = {
     penaltylib.BatchedFrequencyPenalizer,
@@ -59,21 +59,19 @@ def make_req(
     return FakeReq(output_ids=output, sampling_params=params, eos_token_ids=eos, tokenizer=tokenizer)
 
 
-def sglang_row(req: FakeReq, path: list[int], raw: torch.Tensor) -> torch.Tensor:
+def sglang_row(
+    req: FakeReq, path: list[int], raw: torch.Tensor, penalizers: Iterable[type] = PENALIZERS
+) -> torch.Tensor:
     """SGLang's penalised logits [V] after the request's output followed by `path`, from raw [V]: a fresh
-    orchestrator over the request alone cumulates the tokens one at a time (one per decode step), then its
-    additive and scaling penalties are applied as `SamplingBatchInfo` applies them."""
+    orchestrator over the request alone cumulates the tokens one at a time (one per decode step), then
+    applies its penalizers as SGLang's sampler does without overlap scheduling (`orchestrator.apply`), in
+    the iteration order of `penalizers` (SGLang's own set by default)."""
     vocab = raw.shape[-1]
     batch = FakeBatch([req])
-    orchestrator = penaltylib.BatchedPenalizerOrchestrator(vocab, batch, PENALIZERS)
+    orchestrator = penaltylib.BatchedPenalizerOrchestrator(vocab, batch, penalizers)
     for token in [*req.output_ids, *path]:
         orchestrator.cumulate_output_tokens(torch.tensor([token]))
     logits = raw.clone()[None]
     if orchestrator.is_required:
-        additive = torch.zeros((1, vocab), dtype=torch.float32)
-        orchestrator.accumulate_additive_penalties(additive)
-        logits.add_(additive)
-        scaling = orchestrator.accumulate_scaling_penalties()
-        if scaling is not None:
-            apply_scaling_penalties(logits, scaling)
+        orchestrator.apply(logits)
     return logits[0]

@@ -14,11 +14,11 @@ import torch
 
 from bastion_sglang import kernels
 from bastion_sglang.kernels import reference
-from bastion_sglang.kernels.penalties import OutputPenalties, apply_tree_penalties
-from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties
+from bastion_sglang.kernels.penalties import OutputPenalties, Penalty, apply_tree_penalties
+from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties, sglang_penalty_order
 
-pytest.importorskip("sglang.srt.sampling.penaltylib")
-from sglang_penalties import FakeReq, make_req, sglang_row
+penaltylib = pytest.importorskip("sglang.srt.sampling.penaltylib")
+from sglang_penalties import FakeReq, make_req, sglang_row  # noqa: E402
 
 VOCAB = 12
 
@@ -58,8 +58,24 @@ def batch_reqs(trees: kernels.TreeBatch) -> list[FakeReq]:
     ]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_tree_penalties_equal_a_rerun_per_path(seed: int) -> None:
+PENALIZER_OF = {
+    Penalty.FREQUENCY: penaltylib.BatchedFrequencyPenalizer,
+    Penalty.MIN_NEW_TOKENS: penaltylib.BatchedMinNewTokensPenalizer,
+    Penalty.PRESENCE: penaltylib.BatchedPresencePenalizer,
+    Penalty.REPETITION: penaltylib.BatchedRepetitionPenalizer,
+}
+ORDERS = [
+    sglang_penalty_order(),
+    (Penalty.REPETITION, Penalty.FREQUENCY, Penalty.PRESENCE, Penalty.MIN_NEW_TOKENS),
+    (Penalty.PRESENCE, Penalty.MIN_NEW_TOKENS, Penalty.REPETITION, Penalty.FREQUENCY),
+]
+"""SGLang's order in this process, and two others (the order changes the result where repetition and an
+additive penalty meet)."""
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_penalties_equal_a_rerun_per_path(seed: int, order: tuple[Penalty, ...]) -> None:
     generator = torch.Generator().manual_seed(seed)
     width = 9
     trees = random_tree(generator, 6, width)
@@ -68,10 +84,11 @@ def test_tree_penalties_equal_a_rerun_per_path(seed: int) -> None:
     penalties = output_penalties(reqs, VOCAB, torch.device("cpu"))
     assert penalties is not None
     logits = raw.clone()
-    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties)
+    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties, order)
+    penalizers = [PENALIZER_OF[penalty] for penalty in order]
     for b, req in enumerate(reqs):
         for j in range(width):
-            want = sglang_row(req, path_tokens(trees, b, j), raw[b, j])
+            want = sglang_row(req, path_tokens(trees, b, j), raw[b, j], penalizers)
             assert torch.equal(logits[b, j], want), (b, j, logits[b, j], want)
 
 
@@ -86,7 +103,7 @@ def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
     penalties = output_penalties([req], VOCAB, torch.device("cpu"))
     assert penalties is not None
     logits = torch.zeros((1, 4, VOCAB))
-    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties)
+    apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties, ORDERS[0])
     banned = torch.isneginf(logits[0])
     assert banned[:2, 2].all() and banned[:2, VOCAB - 1].all()
     assert not banned[2:].any()
@@ -118,6 +135,7 @@ def test_bad_shapes_are_refused() -> None:
             torch.zeros((1, 2), dtype=torch.int64),
             torch.ones((1, 2, 3)),
             penalties,
+            ORDERS[0],
         )
     with pytest.raises(ValueError, match=r"penalties\.frequency"):
         apply_tree_penalties(
@@ -125,4 +143,13 @@ def test_bad_shapes_are_refused() -> None:
             torch.zeros((1, 2), dtype=torch.int64),
             torch.ones((1, 2, 2), dtype=torch.bool),
             OutputPenalties(**{**penalties.__dict__, "frequency": torch.zeros(1, dtype=torch.float64)}),
+            ORDERS[0],
+        )
+    with pytest.raises(ValueError, match="order"):
+        apply_tree_penalties(
+            torch.zeros((1, 2, VOCAB)),
+            torch.zeros((1, 2), dtype=torch.int64),
+            torch.ones((1, 2, 2), dtype=torch.bool),
+            penalties,
+            ORDERS[0][:3],
         )

@@ -44,20 +44,20 @@ def logits() -> torch.Tensor:
 
 def test_without_filters_it_is_the_tempered_softmax(logits: torch.Tensor) -> None:
     info = sampling_info([0.7, 1.3], [TOP_K_ALL, TOP_K_ALL], [1.0, 1.0])
-    probs = target_sampling_probs(logits, info, WIDTH)
+    probs = target_sampling_probs(logits, info, WIDTH, "pytorch")
     temperatures = torch.tensor([0.7, 1.3]).repeat_interleave(WIDTH)[:, None]
     expected = torch.softmax(logits / temperatures, dim=-1).view(BATCH, WIDTH, VOCAB)
     assert probs.shape == (BATCH, WIDTH, VOCAB)
     assert torch.equal(probs, expected)
     # the filtering path with filters that keep everything gives the same distribution
     info.need_top_k_sampling = True
-    filtered = target_sampling_probs(logits, info, WIDTH)
+    filtered = target_sampling_probs(logits, info, WIDTH, "pytorch")
     assert torch.allclose(filtered, expected, rtol=0, atol=1e-7)
 
 
 def test_top_k_and_top_p_keep_what_sglang_keeps(logits: torch.Tensor) -> None:
     info = sampling_info([1.0, 0.8], [5, TOP_K_ALL], [1.0, 0.8])
-    probs = target_sampling_probs(logits, info, WIDTH)
+    probs = target_sampling_probs(logits, info, WIDTH, "pytorch")
     softmax = torch.softmax(logits / torch.tensor([1.0, 0.8]).repeat_interleave(WIDTH)[:, None], dim=-1)
     softmax = softmax.view(BATCH, WIDTH, VOCAB)
     for position in range(WIDTH):

@@ -53,7 +53,7 @@ from bastion_sglang.kernels import (
     sample_tokens,
     topk_logprobs,
 )
-from bastion_sglang.request_penalties import output_penalties
+from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
 
 VOCAB = 5
 DEPTH = 3  # drafted positions per step (γ - 1)
@@ -531,7 +531,7 @@ def penalised_step_tree(kind: str, context: Context, rule: FilterRule) -> StepTr
     penalties = output_penalties([penalised_request(context)], VOCAB, torch.device("cpu"))
     assert penalties is not None
     ancestors = build_verify_layout(tree.rows, torch.tensor([0])).ancestor_mask
-    apply_tree_penalties(logits, tree.rows.tokens, ancestors, penalties)
+    apply_tree_penalties(logits, tree.rows.tokens, ancestors, penalties, sglang_penalty_order())
     return StepTree(tree.rows, processed_rows(logits[0], rule), tree.paths)
 
 

@@ -1,8 +1,9 @@
 """The target's processed next-token distribution: temperature, then top-k / top-p / min-p filters.
 
-Filters follow SGLang's sampler: with p the softmax of logits / temperature sorted descending, a token is
-dropped if its rank is >= top_k, if the mass strictly before it exceeds top_p, or if p < min_p · p_max;
-the survivors are renormalised. temperature = 0 means greedy (argmax) decoding.
+Filters follow SGLang's sampler on its pytorch backend (`kernels.processed_probs`, `FilterRule.JOINT`): with
+p the softmax of logits / temperature sorted descending, a token is dropped if its rank is >= top_k, if the
+mass strictly before it exceeds top_p, or if p < min_p · p_max; the survivors are renormalised.
+temperature = 0 means greedy (argmax) decoding.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from bastion_sglang.kernels.sampling import FilterRule, processed_probs
 
 
 @dataclass(frozen=True)
@@ -41,20 +44,24 @@ class SamplingParams:
         return self.temperature == 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [M, V] -> processed probabilities [M, V] float32, each row summing to 1 (sampling only)."""
+        """logits [M, V] -> processed probabilities [M, V] float32, each row summing to 1 (sampling only).
+
+        `kernels.processed_probs` with SGLang's pytorch-backend rule (the filters joint on the softmax).
+        """
         if self.greedy:
             raise ValueError("greedy decoding has no sampling distribution; use the argmax")
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_k == -1 and self.top_p == 1 and self.min_p == 0:
-            return probs
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        rank = torch.arange(probs.shape[-1], device=probs.device)
-        drop = mass_before > self.top_p
-        if self.top_k != -1:
-            drop |= rank >= self.top_k
-        if self.min_p > 0:
-            drop |= sorted_probs < self.min_p * sorted_probs[:, :1]
-        kept = sorted_probs.masked_fill(drop, 0.0)
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        return torch.zeros_like(probs).scatter_(-1, order, kept)
+        rows = logits.shape[0]
+
+        def column(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((rows,), value, dtype=dtype, device=logits.device)
+
+        filtered = self.top_k != -1 or self.top_p != 1 or self.min_p != 0
+        kept = processed_probs(
+            logits,
+            column(self.temperature, torch.float32),
+            column(self.top_k if self.top_k != -1 else logits.shape[-1], torch.int64),
+            column(self.top_p, torch.float32),
+            column(self.min_p, torch.float32),
+            FilterRule.JOINT if filtered else FilterRule.NONE,
+        )
+        return kept / kept.sum(dim=-1, keepdim=True)
