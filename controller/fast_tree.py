@@ -13,7 +13,9 @@ of lattice nodes, the candidates, that contains every node of T:
    < d. A depth-d node scoring <= τ comes after N nodes (each scores higher, or the same and is shallower),
    so it is not in T, nor is any of its descendants (T is prefix-closed). So only parents scoring > τ get
    children (a child never scores above its parent: log-probs are <= 0), and only children scoring > τ are
-   needed: when τ = -inf, those with a finite log-prob. τ only rises.
+   needed: when τ = -inf, those with a finite log-prob. τ only rises. Any lower bound of that N-th largest
+   score prunes safely (less), so τ is recomputed only after a depth that adds at least N / TAU_REFRESH
+   candidates, and the search prunes by the larger of τ and σ (point 6).
 3. For a finite τ the children scoring > τ are a prefix of the ranks: a child's score fl(s + lp[r]) is
    monotone in lp[r] and each row is sorted descending. One `searchsorted` of fl(s - τ) into the ascending
    row -lp counts them for every parent at once, over-counting a little but never under-counting:
@@ -38,8 +40,18 @@ of lattice nodes, the candidates, that contains every node of T:
    of the ranks. Positions among the candidates understate positions among all nodes, so the bounds stay safe.
 5. One sort. Candidates are stored depth by depth and, within a depth, in lexicographic rank-tuple order
    (parents in that order, then ranks ascending), so the storage index increases with (depth, rank tuple):
-   a stable sort on -score of the candidates scoring >= the final τ (N of them, plus ties) is the heap's
-   order, and its first N entries are T.
+   a stable sort on -score of the candidates scoring >= the final threshold (every node of T, plus a few)
+   is the heap's order, and its first N entries are T.
+6. Seeds. Any N distinct lattice nodes bound the score of T's last node from below, so nodes scoring below
+   the least of them cannot be in T. The seeds are the chain (rank 0 at every depth) with one deviation:
+   rank r < SEED_RANKS at depth d, then rank 0 down to any depth e >= d. Their scores are estimated in a few
+   array operations, a = (c_{d-1} + lp_d[r]) + (lp_{d+1}[0] + ... + lp_e[0]) with c the chain's running sums
+   (exactly the heap's chain scores), rather than formed left to right: every term is <= 0, so each sum is
+   off its exact value by at most (D + 1)·u·|sum| (u = 2^-53), and the two by less than 8·(D + 1)
+   ulps of |a_N|, a_N the N-th largest estimate, for the N seeds estimated >= a_N. So σ, the float below
+   a_N - 8·(D + 1)·ulp(|a_N|), lies strictly below every score of T: the search keeps only nodes scoring > σ.
+   No seeding (σ = -inf) below SEED_MIN_BUDGET, when fewer than N seeds are finite, or when |a_N| >
+   SAFE_MAGNITUDE (no sum near overflow).
 
 Scores are formed as the heap forms them, parent_score + logprob in float64 (depth 1: 0.0 + logprob, except
 the rank-0 node, whose score is its logprob), so ties are the same ties.
@@ -60,6 +72,12 @@ from bastion_sglang.controller.tree import (
     validate_layout,
 )
 
+SEED_RANKS = 32
+"""Point 6: deviation ranks per depth of the seed nodes."""
+SEED_MIN_BUDGET = 512
+"""Point 6: smaller budgets search without seeds (at a few hundred nodes τ soon prunes as well)."""
+TAU_REFRESH = 8
+"""Point 2: τ is recomputed after a depth that adds at least N / TAU_REFRESH candidates."""
 THIN_POOL = 2
 """Point 4: the rank bound also caps a depth's counts when they exceed THIN_POOL·N children while fewer than
 THIN_POOL·N candidates are scored (or τ = -inf)."""
@@ -170,24 +188,53 @@ def best_first_nodes(logprobs: np.ndarray, budget: int) -> HostNodes:
 
 
 def _search(logprobs: np.ndarray, budget: int) -> tuple[_Candidates, float]:
-    """Candidates depth by depth (module docstring, points 1-4) and the final τ. budget >= 1."""
+    """Candidates depth by depth (module docstring, points 1-4 and 6) and the final threshold, max(τ, σ).
+    budget >= 1."""
     costs = -logprobs  # [D, K], rows ascending: the searchsorted side of point 3
+    seed = _seed_threshold(logprobs, budget)
     candidates = _Candidates()
     scores = _first_scores(logprobs[0], budget)
     candidates.add(scores, np.full(scores.shape[0], ROOT, dtype=np.int64), np.arange(scores.shape[0]))
-    pool, threshold = _raise_threshold(np.empty(0), scores, budget)
+    pool, tau = _raise_threshold(np.empty(0), scores, budget)
+    threshold = max(tau, seed)
     for d in range(1, min(logprobs.shape[0], budget)):  # row d holds depth d + 1
         live, counts = _child_counts(
             scores, logprobs[d], costs[d], threshold, candidates.size, budget - d, budget
         )
-        which, ranks = _expand(counts)
-        if ranks.shape[0] == 0:
+        parents = live.repeat(counts)  # each live parent's first counts children, in lexicographic order
+        if parents.shape[0] == 0:
             break
-        parents = live[which]
+        ranks = np.arange(parents.shape[0]) - (counts.cumsum() - counts).repeat(counts)
         scores = scores[parents] + logprobs[d][ranks]  # parent_score + logprob, as in the heap
         candidates.add(scores, parents, ranks)
-        pool, threshold = _raise_threshold(pool, scores, budget)
+        if pool.shape[0] < budget or TAU_REFRESH * scores.shape[0] >= budget:
+            pool, tau = _raise_threshold(pool, scores, budget)
+            threshold = max(tau, seed)
     return candidates, threshold
+
+
+def _seed_threshold(logprobs: np.ndarray, budget: int) -> float:
+    """σ of point 6 (-inf: no seeding). logprobs: [D, K] float64, validated; budget: N >= 1."""
+    depth_count = logprobs.shape[0]
+    if budget < SEED_MIN_BUDGET:
+        return -np.inf
+    chain = logprobs[:, 0].cumsum()  # c_1..c_D: the heap's scores of the chain nodes
+    base = (
+        np.concatenate(([0.0], chain[:-1]))[:, None] + logprobs[:, :SEED_RANKS]
+    )  # [D, R]: c_{d-1} + lp_d[r]
+    base[1:, 0] = -np.inf  # rank 0 past depth 1 is the chain again: each seed once
+    # tails[d, j] = lp_{d+1}[0] + ... + lp_{d+j}[0] for j = 0..D-1 (0.0 at j = 0), -inf past depth D
+    firsts = np.concatenate((logprobs[:, 0], np.full(depth_count, -np.inf)))
+    below = firsts[np.arange(1, depth_count + 1)[:, None] + np.arange(depth_count - 1)]
+    tails = np.concatenate((np.zeros((depth_count, 1)), below.cumsum(axis=1)), axis=1)
+    estimates = (base[:, :, None] + tails[:, None, :]).reshape(-1)  # every term <= 0: no NaN
+    if estimates.shape[0] < budget:
+        return -np.inf
+    cut = estimates.shape[0] - budget
+    least = float(np.partition(estimates, cut)[cut])  # a_N
+    if least < -SAFE_MAGNITUDE:  # -inf included
+        return -np.inf
+    return float(np.nextafter(least - 8 * (depth_count + 1) * np.spacing(-least), -np.inf))
 
 
 def _child_counts(
@@ -205,7 +252,7 @@ def _child_counts(
     depth and their negations; threshold: τ; scored: candidates so far; keep: N - d + 1 for children at depth
     d; budget: N. Returns (positions among the P parents, counts), both [P'] int64.
     """
-    if scored < budget:  # no τ yet
+    if scored < budget and threshold == -np.inf:  # no τ yet, no seed
         return np.arange(parent_scores.shape[0]), _rank_counts(parent_scores, row, keep)
     live = np.flatnonzero(parent_scores > threshold)
     if threshold > -np.inf:
@@ -264,14 +311,6 @@ def _separation(ascending: np.ndarray, row: np.ndarray, finite: int) -> float:
     if largest > SAFE_MAGNITUDE:
         return float(np.finfo(np.float64).max)
     return 4.0 * float(np.spacing(largest))
-
-
-def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The first counts[p] children of each parent p, parents in order, ranks ascending (lexicographic).
-    counts: [P] int64. Returns (parent position in [0, P), rank), both [Σ counts] int64."""
-    parents = np.arange(counts.shape[0]).repeat(counts)
-    ranks = np.arange(parents.shape[0]) - (counts.cumsum() - counts)[parents]
-    return parents, ranks
 
 
 def _raise_threshold(pool: np.ndarray, scores: np.ndarray, budget: int) -> tuple[np.ndarray, float]:

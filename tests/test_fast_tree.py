@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bastion_sglang.controller import fast_tree
 from bastion_sglang.controller.batched import lattice_size
 from bastion_sglang.controller.fast_tree import build_tree_fast
 from bastion_sglang.controller.tree import DraftTree, build_tree
@@ -54,10 +56,15 @@ def lattice_draft(
 
 
 def check_every_budget(logprobs: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> None:
-    """Fast == heap at each budget: the heap with budget b pops the first b nodes of its full order."""
+    """Fast == heap at each budget: the heap with budget b pops the first b nodes of its full order. Each
+    budget twice: as configured, and with seeds (module docstring, point 6) at every budget."""
     full = build_tree(logprobs, token_ids, max(budgets))
-    for budget in budgets:
-        assert_identical(build_tree_fast(logprobs, token_ids, budget), full.truncate(budget), budget)
+    for seed_min in (fast_tree.SEED_MIN_BUDGET, 1):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast_tree, "SEED_MIN_BUDGET", seed_min)
+            for budget in budgets:
+                got = build_tree_fast(logprobs, token_ids, budget)
+                assert_identical(got, full.truncate(budget), (budget, seed_min))
 
 
 @pytest.mark.parametrize(("depth", "width"), list(itertools.product(range(1, 4), range(1, 4))))
@@ -95,6 +102,24 @@ def test_realistic_lattices(seed: int, kind: str) -> None:
     check_every_budget(logprobs, token_ids, [b for b in budgets if b <= total + 1])
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind", KINDS)
+def test_seed_threshold_lies_below_the_tree(monkeypatch: pytest.MonkeyPatch, seed: int, kind: str) -> None:
+    # σ (module docstring, point 6) is strictly below the score of every node the heap pops, and it is finite
+    # for smooth drafts with enough seeds (about D²·min(K, SEED_RANKS) / 2 of them): the search prunes by it.
+    generator = torch.Generator().manual_seed(300 + seed)
+    width = [64, 32, 8, 64][seed]
+    logprobs, token_ids = lattice_draft(generator, 15, width, kind)
+    lattice = logprobs.numpy()
+    monkeypatch.setattr(fast_tree, "SEED_MIN_BUDGET", 1)  # seeds at every budget
+    for budget in (1, 16, 200, 1024, 3000):
+        sigma = fast_tree._seed_threshold(lattice, budget)
+        tree = build_tree(logprobs, token_ids, budget)
+        assert sigma < float(tree.log_scores.min()) or sigma == -np.inf, budget
+        if kind == "smooth" and (budget <= 200 or width >= 32):
+            assert sigma > -np.inf, budget
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     depth=st.integers(1, 6),
@@ -105,7 +130,12 @@ def test_realistic_lattices(seed: int, kind: str) -> None:
 )
 def test_property_matches_heap(depth: int, width: int, budget: int, seed: int, kind: str) -> None:
     logprobs, token_ids = lattice_draft(torch.Generator().manual_seed(seed), depth, width, kind)
-    assert_identical(build_tree_fast(logprobs, token_ids, budget), build_tree(logprobs, token_ids, budget))
+    want = build_tree(logprobs, token_ids, budget)
+    assert_identical(build_tree_fast(logprobs, token_ids, budget), want)
+    with pytest.MonkeyPatch.context() as patch:  # seeds at every budget, few deviation ranks
+        patch.setattr(fast_tree, "SEED_MIN_BUDGET", 1)
+        patch.setattr(fast_tree, "SEED_RANKS", 2)
+        assert_identical(build_tree_fast(logprobs, token_ids, budget), want)
 
 
 @pytest.mark.parametrize(
