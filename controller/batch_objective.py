@@ -65,9 +65,10 @@ class PlanEstimates:
 class BatchObjective:
     """Ŝ of candidate plans for one batch (module docstring). Build it with `from_log_scores`."""
 
+    log_scores: np.ndarray  # [B, N] float64: best-first log ρ_ij per request
+    accept_scale: np.ndarray  # [B, 1] float64: the acceptance factors c_i
     drafted: np.ndarray  # [B, N + 1] float64: Σ_{j<=n} ρ_ij, n = 0..N, before the acceptance correction
     accept: np.ndarray  # [B, N + 1] float64: Â_i(n) = 1 + c_i·drafted[i, n]
-    gains: np.ndarray  # [B, N] float64: c_i·ρ_ij, each node's corrected gain in Â
     contexts: np.ndarray  # [B] int64: cached tokens per request
     latency: LatencyModel
     costs: StepCosts
@@ -95,9 +96,9 @@ class BatchObjective:
             raise ValueError(f"accept_scale needs {batch} positive factors, got {list(accept_scale)!r}")
         else:
             scale = np.array(accept_scale, dtype=np.float64).reshape(batch, 1)
-        drafted, accept = accept_curves(log_scores.astype(np.float64, copy=False), scale)
-        gains = np.exp(log_scores) * scale
-        return cls(drafted, accept, gains, check_contexts(contexts), latency, costs)
+        log_scores = log_scores.astype(np.float64, copy=False)
+        drafted, accept = accept_curves(log_scores, scale)
+        return cls(log_scores, scale, drafted, accept, check_contexts(contexts), latency, costs)
 
     @property
     def batch_size(self) -> int:
@@ -139,11 +140,12 @@ class BatchObjective:
         corrected gain c_i·ρ_ij across requests (row-major on ties), from n = 0 for every request, until Ŝ
         first drops (exact for a sum of concave Â_i at any total). Every step of the walk is evaluated at
         once; requests are padded to the widest where the latency model has width buckets."""
-        batch, available = self.gains.shape
+        batch, available = self.log_scores.shape
         if available == 0:
             return np.zeros(batch, dtype=np.int64)
+        gains = np.exp(self.log_scores) * self.accept_scale  # [B, N]: c_i·ρ_ij, each node's gain in Â
         # a stable sort of the negated gains keeps each row's (non-increasing) order and row-major ties
-        order = np.argsort(-self.gains.reshape(-1), kind="stable")
+        order = np.argsort(-gains.reshape(-1), kind="stable")
         rows, ranks = np.divmod(order, available)  # step k gives row rows[k] its node ranks[k] (0-based)
         steps = self.accept[rows, ranks + 1] - self.accept[rows, ranks]
         committed = np.concatenate(([float(batch)], batch + np.cumsum(steps)))
