@@ -14,8 +14,8 @@ Server side (imported at start-up, no measurement code loaded):
     step_costs = resolved.profile.step_costs if resolved.profile else None
 
 Modules: `identity` (what a profile is for), `store`, `lookup`, `cli` / `profile_cli` (the commands),
-`microbench` (peaks), `sweep` (grid and measurements), `engines` (reference / SGLang back ends),
-`fitting`, `plot`, `timing`.
+`microbench` (peaks), `sweep` (grid and measurements), `engines` (reference / SGLang back ends, with
+`sglang_runner` and `random_inputs`), `fitting`, `plot`, `timing`.
 """
 
 from bastion_sglang.calibration.identity import RuntimeIdentity, device_name, dtype_name, model_config_hash

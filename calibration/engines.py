@@ -11,7 +11,8 @@
   that module for why). Attention backend = SGLang's --attention-backend.
 
 Each engine's models are imported only when it is opened, so importing this module needs neither
-Transformers nor SGLang.
+Transformers nor SGLang. Imports point one way: this module opens `sglang_runner`; both take their seeded
+random inputs from `random_inputs`.
 """
 
 from __future__ import annotations
@@ -21,19 +22,12 @@ from pathlib import Path
 import torch
 
 from bastion_sglang.calibration.identity import Engine
+from bastion_sglang.calibration.random_inputs import random_context
 from bastion_sglang.calibration.sweep import MeasurementEngine
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
 
 REFERENCE_BACKENDS = ("sdpa", "eager")
 """Attention implementations the reference engine runs."""
-CONTEXT_SEED = 0
-"""Seed of the random context tokens (their values do not change the cost)."""
-
-
-def random_context(length: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[length + 1] int64 committed tokens (context, then the bonus token), seeded."""
-    generator = torch.Generator().manual_seed(CONTEXT_SEED)
-    return torch.randint(0, vocab_size, (length + 1,), generator=generator).to(device)
 
 
 class ReferenceMeasurement:

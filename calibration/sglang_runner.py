@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from bastion_sglang.calibration.engines import CONTEXT_SEED
 from bastion_sglang.calibration.identity import dtype_name
+from bastion_sglang.calibration.random_inputs import CONTEXT_SEED
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
 
 if TYPE_CHECKING:
