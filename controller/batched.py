@@ -209,15 +209,20 @@ def _merge_levels(
 
 def build_trees_host(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
     """The trees of `build_trees`, built row by row on the host by the exact threshold search
-    (`fast_tree.best_first_nodes`), then stacked on the device of `logprobs`. Same arguments; the input is
-    validated once on the host copy."""
+    (`fast_tree.best_first_nodes`), then stacked on the device of `logprobs`. Same arguments."""
     validate_draft(logprobs, token_ids, batched=True)
     validate_budget(budget)
+    return build_trees_host_unchecked(logprobs, token_ids, budget)
+
+
+def build_trees_host_unchecked(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
+) -> DraftTreeBatch:
+    """`build_trees_host` without input validation, for callers that produced the arrays themselves."""
     lattices = logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()  # host copy for the search
     ids = token_ids.detach().to("cpu").numpy()
-    rows = [
-        best_first_nodes(lattices[b], budget).to_tree(ids[b], torch.device("cpu")) for b in range(len(ids))
-    ]
+    host = torch.device("cpu")
+    rows = [best_first_nodes(lattices[b], budget).to_tree(ids[b], host) for b in range(ids.shape[0])]
     if not rows:
         return DraftTreeBatch.empty(0, logprobs.device)
     return DraftTreeBatch(
@@ -233,8 +238,15 @@ def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: in
     row on the host (`build_trees_host`, where torch ops are slow), the beam on CUDA (no host sync). Both give
     identical results (tested). Same arguments as `build_trees`.
     """
+    validate_draft(logprobs, token_ids, batched=True)
+    validate_budget(budget)
+    return build_trees_auto_unchecked(logprobs, token_ids, budget)
+
+
+def build_trees_auto_unchecked(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
+) -> DraftTreeBatch:
+    """`build_trees_auto` without input validation, for callers that produced the arrays themselves."""
     if logprobs.is_cuda:
-        validate_draft(logprobs, token_ids, batched=True)
-        validate_budget(budget)
         return build_trees_unchecked(logprobs, token_ids, budget)
-    return build_trees_host(logprobs, token_ids, budget)
+    return build_trees_host_unchecked(logprobs, token_ids, budget)

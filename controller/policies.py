@@ -34,7 +34,7 @@ def expected_accept_curve(log_scores: torch.Tensor) -> torch.Tensor:
     """Â(n) for n = 0..N: [N] log ρ (best-first) -> [N + 1] float64 on the host, Â(0) = 1 (the values the
     planners use: `batch_objective.accept_curves`)."""
     host = log_scores.detach().to(device="cpu", dtype=torch.float64).numpy()[None]
-    return torch.from_numpy(accept_curves(host, np.ones((1, 1)))[1][0])
+    return torch.from_numpy(accept_curves(host)[1][0])
 
 
 def speedup_curve(

@@ -12,7 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bastion_sglang.controller import ROOT, build_tree, build_trees, build_trees_auto, expected_accept_length
+from bastion_sglang.controller import (
+    ROOT,
+    build_tree,
+    build_trees,
+    build_trees_auto,
+    build_trees_host,
+    expected_accept_length,
+)
+from bastion_sglang.controller.batched import build_trees_auto_unchecked
 
 
 def random_draft(
@@ -166,6 +174,12 @@ def test_batched_large_budget_realistic_shape() -> None:
         heap = build_tree(logprobs[b].float(), token_ids[b], 512)
         assert torch.equal(heap.parents, trees.parents[b])
         assert torch.equal(heap.log_scores, trees.log_scores[b])
+    for host in (
+        build_trees_host(logprobs.float(), token_ids, 512),
+        build_trees_auto_unchecked(logprobs.float(), token_ids, 512),
+    ):
+        for field in ("tokens", "parents", "depths", "log_scores"):
+            assert torch.equal(getattr(host, field), getattr(trees, field)), field
 
 
 @pytest.mark.parametrize(
