@@ -379,7 +379,7 @@ def _check_model(flag: str, value: str | None) -> str:
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate the arguments and load the prompts; ValueError or MissingPackageError naming the bad value."""
     from bastion_sglang.calibration.identity import detect_device
-    from bastion_sglang.training.data import PROMPT_SETS, load_prompts
+    from bastion_sglang.prompt_sets import PROMPT_SETS, load_prompts
 
     if args.max_budget < 1:
         raise ValueError(f"--max-budget must be >= 1, got {args.max_budget}")
@@ -461,7 +461,7 @@ def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
     """
     from transformers import AutoTokenizer
 
-    from bastion_sglang.training.data import Prompt, chat_prompt_ids
+    from bastion_sglang.prompt_sets import Prompt, chat_prompt_ids
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -81,7 +81,7 @@ def prompt_token_ids(model_path: str | Path, settings: AcceptanceSettings) -> li
     the target tokenizer's chat template, skipping those longer than `max_prompt_tokens`."""
     from transformers import AutoTokenizer
 
-    from bastion_sglang.training.data import chat_prompt_ids, load_prompts
+    from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts
 
     split = "all" if Path(settings.prompt_set).suffix == ".jsonl" else "heldout"
     prompts = load_prompts(settings.prompt_set, split=split)

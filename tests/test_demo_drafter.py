@@ -32,8 +32,8 @@ from bastion_sglang.config import BastionConfig  # noqa: E402
 from bastion_sglang.controller.latency import DecodeFit  # noqa: E402
 from bastion_sglang.controller.profile import save_profile  # noqa: E402
 from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
+from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts  # noqa: E402
 from bastion_sglang.registration import attach_config, make_config  # noqa: E402
-from bastion_sglang.training.data import chat_prompt_ids, load_prompts  # noqa: E402
 
 if TYPE_CHECKING:
     from demo_target import DemoTarget

@@ -18,17 +18,11 @@ from tiny_models import MASK_ID, make_tiny_target
 
 from bastion_sglang.cli import main
 from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.prompt_sets import HELDOUT_FRACTION, chat_prompt_ids, load_prompts
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config, export_drafter
-from bastion_sglang.training.data import (
-    HELDOUT_FRACTION,
-    chat_prompt_ids,
-    load_prompts,
-    load_training_sequences,
-    read_manifest,
-    regenerate,
-)
+from bastion_sglang.training.data import load_training_sequences, read_manifest, regenerate
 from bastion_sglang.training.train import (
     BlockBatch,
     FrozenTarget,

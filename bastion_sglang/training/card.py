@@ -176,7 +176,7 @@ def _prose(
         "",
         "## Training data",
         "",
-        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.training.data`;",
+        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.prompt_sets`;",
         f"the held-out split is never trained on). The target answered each prompt greedily "
         f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
         f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "
