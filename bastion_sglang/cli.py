@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train-drafter": "bastion_sglang.training.cli",
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",
-    "bench": "bastion_sglang.bench",
+    "bench": "bastion_sglang.bench.cli",
 }
 
 

@@ -24,41 +24,35 @@ from pydantic import ValidationError
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang import cli
-from bastion_sglang.bench import (
-    DEFAULT_MAX_BUDGET,
-    DEFAULT_POLICIES,
+from bastion_sglang.bench.aggregate import EstimateSummary, make_row, summarize, with_speedups
+from bastion_sglang.bench.histograms import (
     EXPECTED_METRIC,
     EXPECTED_RAW_METRIC,
     LATENCY_ERROR_METRIC,
-    PLOT_NAME,
     REALISED_METRIC,
-    REPORT_NAME,
     STAGE_NAMES,
     TREE_NODES_METRIC,
     WORKER_METRICS,
+    HistogramTotals,
+    WorkerTotals,
+)
+from bastion_sglang.bench.measure import Measured, TemperatureRun, repeat_measurement
+from bastion_sglang.bench.output import PLOT_NAME, REPORT_NAME, summary_line
+from bastion_sglang.bench.plan import (
+    DEFAULT_MAX_BUDGET,
+    DEFAULT_POLICIES,
     BenchPolicy,
-    BenchReport,
-    BenchRow,
+    parse_policies,
+    repeat_order,
+)
+from bastion_sglang.bench.report import BenchReport, BenchRow, RepeatMeasurement, Spread
+from bastion_sglang.bench.streaming import (
     ChunkArrival,
     DecodeTiming,
-    EstimateSummary,
-    HistogramTotals,
-    Measured,
-    RepeatMeasurement,
-    Spread,
-    TemperatureRun,
-    WorkerTotals,
     decode_timing,
     latency_percentiles_ms,
-    make_row,
-    parse_policies,
     pooled_timing,
-    repeat_measurement,
-    repeat_order,
     stream_batch,
-    summarize,
-    summary_line,
-    with_speedups,
 )
 
 MAX_BUDGET = 8

@@ -1,0 +1,147 @@
+"""The report's rows over the repeats, the speedups over `ar`, and the best policy per temperature.
+
+The rules (medians of the rates, pooled totals for the rest, ratios of those for the histogram means) are
+defined in `bench.report`.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bastion_sglang.bench.histograms import (
+    EXPECTED_METRIC,
+    EXPECTED_RAW_METRIC,
+    LATENCY_ERROR_METRIC,
+    REALISED_METRIC,
+    STAGE_NAMES,
+    TREE_NODES_METRIC,
+    WorkerTotals,
+)
+from bastion_sglang.bench.measure import TemperatureRun
+from bastion_sglang.bench.report import BenchRow, Spread, StageMs, TemperatureSummary
+
+
+@dataclass(frozen=True)
+class EstimateSummary:
+    """What the worker's histogram growth says about the steps it covers (defined in `bench.report`)."""
+
+    mean_budget: float | None
+    expected: float | None
+    expected_raw: float | None
+    realised: float | None
+    latency_mape: float | None
+    stage_ms: StageMs | None
+
+    @classmethod
+    def of(cls, growth: WorkerTotals) -> EstimateSummary:
+        """Σ `_sum` growth / Σ `_count` growth of each histogram; stage means in ms (None: no verify step)."""
+        stage_means = {stage: growth.stages[stage].mean() for stage in STAGE_NAMES}
+        stage_ms = (
+            None
+            if stage_means["verify"] is None
+            else StageMs(**{stage: 1e3 * (value or 0.0) for stage, value in stage_means.items()})
+        )
+        return cls(
+            mean_budget=growth.metrics[TREE_NODES_METRIC].mean(),
+            expected=growth.metrics[EXPECTED_METRIC].mean(),
+            expected_raw=growth.metrics[EXPECTED_RAW_METRIC].mean(),
+            realised=growth.metrics[REALISED_METRIC].mean(),
+            latency_mape=growth.metrics[LATENCY_ERROR_METRIC].mean(),
+            stage_ms=stage_ms,
+        )
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator; None when either is missing or the denominator is 0."""
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _relative_error(expected: float | None, realised: float | None) -> float | None:
+    """expected / realised - 1; None when either is missing or realised is 0."""
+    ratio = _ratio(expected, realised)
+    return None if ratio is None else ratio - 1.0
+
+
+def _estimate_fields(estimate: EstimateSummary | None) -> dict[str, Any]:
+    """The `BenchRow` fields of the controller's estimate (the row's defaults, None, without one)."""
+    if estimate is None:
+        return {"mean_budget": None}
+    return {
+        "mean_budget": estimate.mean_budget,
+        "mean_expected_accept_length": estimate.expected,
+        "mean_expected_accept_length_raw": estimate.expected_raw,
+        "realised_accept_length": estimate.realised,
+        "accept_error": _relative_error(estimate.expected, estimate.realised),
+        "accept_error_raw": _relative_error(estimate.expected_raw, estimate.realised),
+        "latency_mape": estimate.latency_mape,
+        "stage_ms": estimate.stage_ms,
+    }
+
+
+def make_row(policy: str, temperature: float, runs: Sequence[TemperatureRun]) -> BenchRow:
+    """The report row of one policy at one temperature from its repeats, in repeat order (`bench.report`:
+    medians of the rates, pooled totals for the rest); speedups are filled in by `with_speedups`."""
+    per_repeat = tuple(run.measurement for run in runs)
+    completion = sum(m.completion_tokens for m in per_repeat)
+    passes = [m.verify_passes for m in per_repeat if m.verify_passes is not None]
+    verify_passes = sum(passes) if passes else None
+    growths = [run.growth for run in runs if run.growth is not None]
+    estimate = EstimateSummary.of(functools.reduce(WorkerTotals.plus, growths)) if growths else None
+    return BenchRow(
+        policy=policy,
+        temperature=temperature,
+        per_repeat=per_repeat,
+        requests=sum(m.requests for m in per_repeat),
+        completion_tokens=completion,
+        verify_passes=verify_passes,
+        decode_tokens_per_second=Spread.of([m.decode_tokens_per_second for m in per_repeat]),
+        tokens_per_second=Spread.of([m.tokens_per_second for m in per_repeat]),
+        token_latency_p50_ms=statistics.median(m.token_latency_p50_ms for m in per_repeat),
+        token_latency_p90_ms=statistics.median(m.token_latency_p90_ms for m in per_repeat),
+        mean_accept_length=completion / verify_passes if verify_passes else 1.0,
+        speedup=None,
+        wall_speedup=None,
+        **_estimate_fields(estimate),
+    )
+
+
+def with_speedups(rows: Sequence[BenchRow]) -> tuple[BenchRow, ...]:
+    """Rows with `speedup` and `wall_speedup`: their median decode and wall tokens/s over the `ar` row's of
+    the same temperature (None where there is none)."""
+    decode = {row.temperature: row.decode_tokens_per_second.median for row in rows if row.policy == "ar"}
+    wall = {row.temperature: row.tokens_per_second.median for row in rows if row.policy == "ar"}
+    return tuple(
+        row.model_copy(
+            update={
+                "speedup": _ratio(row.decode_tokens_per_second.median, decode.get(row.temperature)),
+                "wall_speedup": _ratio(row.tokens_per_second.median, wall.get(row.temperature)),
+            }
+        )
+        for row in rows
+    )
+
+
+def summarize(rows: Sequence[BenchRow], temperatures: Sequence[float]) -> tuple[TemperatureSummary, ...]:
+    """Per temperature: the best policy in hindsight by median decode tokens/s (the first listed on a tie),
+    and adaptive's median over the best's and ar's."""
+    summaries = []
+    for temperature in temperatures:
+        rates = {
+            row.policy: row.decode_tokens_per_second.median for row in rows if row.temperature == temperature
+        }
+        best = max(rates, key=rates.__getitem__)
+        adaptive = rates.get("adaptive")
+        summaries.append(
+            TemperatureSummary(
+                temperature=temperature,
+                best_policy=best,
+                best_decode_tokens_per_second=rates[best],
+                adaptive_vs_best=_ratio(adaptive, rates[best]),
+                adaptive_vs_ar=_ratio(adaptive, rates.get("ar")),
+            )
+        )
+    return tuple(summaries)

@@ -1,0 +1,273 @@
+"""Planning `bastion bench`: every check before any Engine starts.
+
+The policies and temperatures parsed, the models checked, the prompts loaded (a named set's held-out split by
+default, never seen in drafter training; a JSONL file whole) and tokenized with the target's chat template,
+the settings recorded (`BenchSettings`, kept in the report), each policy's Engine server arguments, and the
+order each repeat runs the policies in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bastion_sglang.config import default_width_buckets
+from bastion_sglang.controller.policies import FixedPolicy, parse_policy
+from bastion_sglang.prompt_sets import PROMPT_SETS, Prompt, chat_prompt_ids, load_prompts
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = "ar,chain,fixed:1,fixed:2,fixed:4,fixed:8,fixed:16,fixed:64,adaptive"
+DEFAULT_MAX_BUDGET = 64
+"""N_max passed to BASTION Engines (`--bastion-max-budget`): room for the largest default fixed budget."""
+DEFAULT_REPEATS = 3
+MIN_NEW_TOKENS = 2
+"""Fewest `--max-new-tokens`: decode throughput needs a token after the prefill's."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A Hugging Face repository id (owner/name), accepted for a path that does not exist locally."""
+
+PolicyKind = Literal["ar", "bastion", "dflash"]
+Device = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class BenchPolicy:
+    """One benchmarked configuration: its spelling on the command line and the Engine it needs."""
+
+    name: str  # "ar", "dflash", or a --bastion-policy spelling ("chain", "fixed:64", ...)
+    kind: PolicyKind
+
+
+def parse_policies(text: str, max_budget: int) -> tuple[BenchPolicy, ...]:
+    """'ar,chain,fixed:64' -> BenchPolicy per name, in order; ValueError naming an unknown or repeated one."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError(f"--policies {text!r} names no policy")
+    policies = []
+    for name in names:
+        if name in ("ar", "dflash"):
+            policies.append(BenchPolicy(name, "ar" if name == "ar" else "dflash"))
+            continue
+        try:
+            parsed = parse_policy(name, width_buckets=default_width_buckets(max_budget))
+        except ValueError as error:
+            raise ValueError(f"--policies: {error} (or dflash, on CUDA)") from None
+        if isinstance(parsed, FixedPolicy) and parsed.nodes > max_budget:
+            raise ValueError(
+                f"--policies {name}: {parsed.nodes} nodes exceed --max-budget {max_budget} (N_max); raise it"
+            )
+        policies.append(BenchPolicy(name, "bastion"))
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--policies names {repeated} more than once")
+    return tuple(policies)
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """'0,0.7' -> (0.0, 0.7); ValueError naming a value that is not a finite number >= 0."""
+    values = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--temperatures: {part!r} is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--temperatures: {part!r} must be a finite number >= 0")
+        values.append(value)
+    if not values:
+        raise ValueError(f"--temperatures {text!r} names no temperature")
+    return tuple(values)
+
+
+class BenchSettings(BaseModel):
+    """What the benchmark ran: models, prompts, policies, sampling, repeats and Engine settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    draft_model_path: str | None = Field(description="None when only `ar` runs")
+    prompts: str = Field(description="prompt set name or JSONL path")
+    split: Literal["train", "heldout", "all"]
+    num_prompts: int = Field(gt=0, description="prompts sent per policy, temperature and repeat")
+    concurrency: int = Field(gt=0, description="requests in flight (one Engine.generate batch)")
+    max_new_tokens: int = Field(ge=MIN_NEW_TOKENS)
+    ignore_eos: bool
+    temperatures: tuple[float, ...] = Field(min_length=1)
+    policies: tuple[str, ...] = Field(min_length=1)
+    repeats: int = Field(ge=1, description="rounds; each runs every policy in a fresh Engine")
+    max_budget: int = Field(gt=0, description="N_max of the BASTION Engines")
+    device: Literal["cpu", "cuda"]
+    attention_backend: str
+    dtype: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """The validated command line, with the prompts loaded and tokenized."""
+
+    settings: BenchSettings
+    policies: tuple[BenchPolicy, ...]
+    prompt_ids: tuple[list[int], ...]  # per prompt: its first user turn in the target's chat template
+    out: Path
+    mem_fraction_static: float | None
+    max_total_tokens: int | None
+    sglang_log_level: str
+
+
+def _check_model(flag: str, value: str | None) -> str:
+    """A local model folder (config.json inside) or a Hub id; ValueError naming the flag and value."""
+    if value is None:
+        raise ValueError(f"{flag} is required")
+    path = Path(value)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{flag} {value}: the folder has no config.json")
+        return str(path)
+    if path.exists() or value.startswith((".", "/", "~")) or not HUB_ID.match(value):
+        raise ValueError(f"{flag} {value}: no such model folder (and not a Hugging Face id owner/name)")
+    logger.info("%s %s is not a local folder; SGLang will fetch it as a Hugging Face id", flag, value)
+    return value
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    """Validate the arguments and load the prompts; ValueError or MissingPackageError naming the bad value."""
+    from bastion_sglang.calibration.identity import detect_device
+
+    if args.max_budget < 1:
+        raise ValueError(f"--max-budget must be >= 1, got {args.max_budget}")
+    policies = parse_policies(args.policies, args.max_budget)
+    temperatures = parse_temperatures(args.temperatures)
+    for flag, value in (("--num-prompts", args.num_prompts), ("--concurrency", args.concurrency)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_new_tokens < MIN_NEW_TOKENS:
+        raise ValueError(
+            f"--max-new-tokens must be >= {MIN_NEW_TOKENS} (decode starts after the first token), "
+            f"got {args.max_new_tokens}"
+        )
+    device: Device = (
+        "cuda" if detect_device(None if args.device == "auto" else args.device).type == "cuda" else "cpu"
+    )
+    if device == "cpu" and any(p.kind == "dflash" for p in policies):
+        raise ValueError(
+            "--policies dflash: SGLang's DFLASH worker runs on CUDA only; drop dflash or use --device cuda"
+        )
+    model_path = _check_model("--model-path", args.model_path)
+    speculative = any(p.kind != "ar" for p in policies)
+    draft_path = _check_model("--draft-model-path", args.draft_model_path) if speculative else None
+    named = args.prompts in PROMPT_SETS
+    prompts_path = Path(args.prompts)
+    if not named and not prompts_path.is_file() and (prompts_path.suffix or len(prompts_path.parts) > 1):
+        raise ValueError(f"--prompts {args.prompts}: no such file (or one of {list(PROMPT_SETS)})")
+    split = args.split or ("heldout" if named else "all")
+    prompts = load_prompts(args.prompts, split=split)
+    if args.num_prompts is not None:
+        prompts = prompts[: args.num_prompts]
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts}: the {split} split holds no prompts")
+    if args.num_prompts is not None and len(prompts) < args.num_prompts:
+        logger.warning(
+            "--num-prompts %d: the %s split of %s holds %d; using them all",
+            args.num_prompts,
+            split,
+            args.prompts,
+            len(prompts),
+        )
+    attention = args.attention_backend or ("torch_native" if device == "cpu" else "triton")
+    settings = BenchSettings(
+        model_path=model_path,
+        draft_model_path=draft_path,
+        prompts=str(args.prompts),
+        split=split,
+        num_prompts=len(prompts),
+        concurrency=args.concurrency,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+        temperatures=temperatures,
+        policies=tuple(p.name for p in policies),
+        repeats=args.repeats,
+        max_budget=args.max_budget,
+        device=device,
+        attention_backend=attention,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    return BenchPlan(
+        settings=settings,
+        policies=policies,
+        prompt_ids=tokenize_prompts(model_path, [p.turns[0] for p in prompts]),
+        out=args.out,
+        mem_fraction_static=args.mem_fraction_static or (0.2 if device == "cpu" else None),
+        max_total_tokens=args.max_total_tokens or (65536 if device == "cpu" else None),
+        sglang_log_level=args.sglang_log_level,
+    )
+
+
+def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text as the first user turn in the target tokenizer's chat template.
+
+    ValueError naming the model when its tokenizer does not load or has no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except OSError as error:
+        raise ValueError(f"--model-path {model_path}: no tokenizer could be loaded: {error}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--model-path {model_path}: the tokenizer has no chat template")
+    return [
+        chat_prompt_ids(tokenizer, Prompt(source="bench", id=str(i), turns=(t,))) for i, t in enumerate(texts)
+    ]
+
+
+def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
+    """The ServerArgs record of `policy`'s Engine (BASTION's config attached as `attach_config` does)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from bastion_sglang.registration import attach_config, make_config
+
+    load_plugins()
+    settings = plan.settings
+    kwargs: dict[str, Any] = dict(
+        model_path=settings.model_path,
+        device=settings.device,
+        attention_backend=settings.attention_backend,
+        dtype=settings.dtype,
+        random_seed=settings.seed,
+        log_level=plan.sglang_log_level,
+    )
+    if settings.device == "cpu":
+        kwargs["disable_cuda_graph"] = True
+    if plan.mem_fraction_static is not None:
+        kwargs["mem_fraction_static"] = plan.mem_fraction_static
+    if plan.max_total_tokens is not None:
+        kwargs["max_total_tokens"] = plan.max_total_tokens
+    if policy.kind == "bastion":
+        kwargs |= dict(
+            speculative_algorithm="BASTION",
+            speculative_draft_model_path=settings.draft_model_path,
+            enable_metrics=True,
+        )
+    elif policy.kind == "dflash":
+        kwargs |= dict(speculative_algorithm="DFLASH", speculative_draft_model_path=settings.draft_model_path)
+    server_args = ServerArgs(**kwargs)
+    if policy.kind == "bastion":
+        attach_config(server_args, make_config(max_budget=settings.max_budget, policy=policy.name))
+    return server_args
+
+
+def repeat_order(policies: Sequence[BenchPolicy], repeat_index: int) -> tuple[BenchPolicy, ...]:
+    """The policies in the order round `repeat_index` (from 0) runs them: rotated left by that many."""
+    shift = repeat_index % len(policies)
+    return (*policies[shift:], *policies[:shift])
