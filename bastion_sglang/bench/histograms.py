@@ -1,9 +1,9 @@
 """The worker's Prometheus histograms, read from an Engine's multiprocess folder.
 
-A BASTION worker observes one sample per request per decode step into each histogram of `WORKER_METRICS`
-and one per decode step per stage into `STAGE_METRIC` (`bastion_sglang.metrics`). prometheus_client's
-multiprocess collector sums every process's files; the growth of `_sum` and `_count` over a temperature's
-generate calls is what the report's means are taken over (`bench.report`).
+A BASTION worker observes into the histograms of `WORKER_METRICS` and, per stage of a decode step, into
+`STAGE_METRIC` (what each one samples: `bastion_sglang.metrics`). prometheus_client's multiprocess collector
+sums every process's files; the growth of `_sum` and `_count` over a temperature's generate calls is what
+the report's means are taken over (`bench.report`).
 """
 
 from __future__ import annotations
