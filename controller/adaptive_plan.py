@@ -138,11 +138,10 @@ def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: 
         popped.append(entry)
         drafted += exp(score)
         estimate = (1.0 + drafted) * l_ar / seconds[index]
-        if estimate < previous or index + 1 == limit:
-            nodes = _host_nodes(scores, popped)
-            stop = _first_drop_within(nodes, cycle.cover(index + 1), l_ar)
-            if stop is not None:
-                return nodes.head(stop)
+        if (estimate < previous or index + 1 == limit) and (
+            stop := _first_drop_within(np.array(scores), cycle.cover(index + 1), l_ar)
+        ) is not None:
+            return _host_nodes(scores[:stop], popped[:stop])
         previous = estimate
         up, last = path
         if last + 1 < width:
@@ -151,7 +150,7 @@ def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: 
         if depth < depth_count:
             child = score + firsts[depth]
             push(heap, (-child, depth + 1, (path, 0), index, child))
-    return nodes if limit == n_max else None
+    return _host_nodes(scores, popped) if limit == n_max else None
 
 
 def _host_nodes(scores: list[float], popped: list[HeapEntry]) -> HostNodes:
@@ -171,7 +170,7 @@ def _chunks_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar
     size = min(n_max, CHUNK_GROWTH * HEAP_NODES)
     while True:
         nodes = best_first_nodes(lattice, size)
-        stop = _first_drop_within(nodes, cycle.cover(size), l_ar)
+        stop = _first_drop_within(nodes.scores, cycle.cover(size), l_ar)
         if stop is not None:
             return nodes.head(stop)
         if size == n_max:
@@ -179,10 +178,10 @@ def _chunks_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar
         size = min(n_max, CHUNK_GROWTH * size)
 
 
-def _first_drop_within(nodes: HostNodes, cycle: np.ndarray, l_ar: float) -> int | None:
-    """n* if Ŝ first drops before the prefix's last node, else None. nodes: the first m best-first nodes;
-    cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
+def _first_drop_within(scores: np.ndarray, cycle: np.ndarray, l_ar: float) -> int | None:
+    """n* if Ŝ first drops before the prefix's last node, else None. scores: [m] float64 log ρ of the first m
+    best-first nodes; cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
     `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ."""
-    accept = 1.0 + np.cumsum(np.exp(nodes.scores))  # Â(1..m): the values of `accept_curves`
+    accept = 1.0 + np.cumsum(np.exp(scores))  # Â(1..m): the values of `accept_curves`
     drop = first_drop(accept * l_ar / cycle)
-    return drop + 1 if drop < len(nodes) - 1 else None
+    return drop + 1 if drop < scores.shape[0] - 1 else None

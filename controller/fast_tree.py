@@ -140,8 +140,11 @@ class _Candidates:
 
 
 def host_logprobs(logprobs: torch.Tensor) -> np.ndarray:
-    """[D, K] log-probs as a float64 host array, converted as the heap converts them."""
-    return logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()
+    """[D, K] log-probs as a float64 host array, converted as the heap converts them (widening is exact)."""
+    host = logprobs.detach().cpu()  # host sync where the draft lives on a device
+    if host.dtype in (torch.float32, torch.float64):
+        return host.numpy().astype(np.float64)
+    return host.to(torch.float64).numpy()  # bfloat16 has no numpy dtype
 
 
 def checked_host_draft(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
@@ -157,7 +160,7 @@ def checked_host_draft(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.nd
 
 def host_token_ids(token_ids: torch.Tensor) -> np.ndarray:
     """[D, K] token ids as an integer host array."""
-    return token_ids.detach().to("cpu").numpy()
+    return token_ids.detach().cpu().numpy()
 
 
 def build_tree_fast(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
