@@ -16,7 +16,8 @@ Why n* is the same. (a) The first m nodes of the heap's order do not depend on t
 and the heap and the exact builder give the same nodes in the same order with the same float64 scores; so a
 prefix of m nodes holds the full tree's first m scores, bit for bit. (b) The exact check forms Â as
 `batch_objective.accept_curves` does (elementwise exp, a left-to-right running sum) and Ĉ with
-`LatencyModel.predict_passes` and `StepCosts.cycle_seconds` (elementwise over widths), so each Ŝ(n) is the
+`LatencyModel.predict_widths` (the values of `predict_passes`) and `StepCosts.cycle_seconds` (elementwise over
+widths), so each Ŝ(n) is the
 value `BatchObjective.common` gives the policy at B = 1. (c) `first_drop` over a prefix finds the full curve's
 first drop whenever that lies before the prefix's last node. The scalar running Ŝ (libm exp) may differ from
 the exact one in the last bit; it only decides when the exact check runs, never the answer.
@@ -42,7 +43,7 @@ from bastion_sglang.controller.fast_tree import (
     host_token_ids,
 )
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
-from bastion_sglang.controller.verify_passes import VerifyPasses, check_contexts
+from bastion_sglang.controller.verify_passes import check_contexts
 
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
@@ -64,7 +65,7 @@ class _CycleCurve:
     asked for in chunks. seconds: [covered] float64, Ĉ(1..covered)."""
 
     def __init__(self, n_max: int, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> None:
-        self._contexts = check_contexts([ctx_len])
+        self._context = int(check_contexts([ctx_len])[0])
         latency.padded_widths(np.array([n_max + 1]))  # a width past the buckets raises as in `choose`
         self._n_max, self._latency, self._costs = n_max, latency, costs
         self.seconds = np.empty(0, dtype=np.float64)
@@ -75,8 +76,8 @@ class _CycleCurve:
         if n > covered:
             upto = min(self._n_max, max(n, COST_CHUNK, CHUNK_GROWTH * covered))
             widths = np.arange(covered + 2, upto + 2, dtype=np.int64)
-            passes = VerifyPasses.common(self._latency.padded_widths(widths), self._contexts)
-            cycle = self._costs.cycle_seconds(self._latency.predict_passes(passes), widths)
+            verify = self._latency.predict_widths(self._latency.padded_widths(widths), self._context)
+            cycle = self._costs.cycle_seconds(verify, widths)
             self.seconds = np.concatenate((self.seconds, cycle)) if covered else cycle
         return self.seconds[:n]
 

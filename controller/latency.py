@@ -108,6 +108,9 @@ SCALE_BOUNDS = (0.1, 10.0)
 """Range of the online correction's scale a."""
 CORRECTION_FLOOR = 0.1
 """The corrected prediction is at least this fraction of the offline one (so it stays > 0)."""
+FIXED_TABLE_TOKENS = 4096
+"""`predict_widths` looks up the parts of a pass that depend on its tokens alone up to this many tokens (a
+table of that many floats, built once per model)."""
 PRIOR_WEIGHT = 0.01
 """Weight of the online correction's prior (a = 1, b = 0), in observations; it never decays."""
 
@@ -580,6 +583,7 @@ class LatencyModel:
         "_plain",
         "_prices",
         "_roofline",
+        "_token_table",
         "_verify",
     )
 
@@ -597,6 +601,7 @@ class LatencyModel:
         self._roofline = roofline
         self._prices = PassPrices.of(roofline)
         self._fit = fit
+        self._token_table = self._token_seconds(np.arange(FIXED_TABLE_TOKENS + 1, dtype=np.float64))
         self._ema_alpha = _check_ema_alpha(ema_alpha)
         self._buckets = None if width_buckets is None else validate_width_buckets(width_buckets)
         self._bucket_array = None if self._buckets is None else np.array(self._buckets, dtype=np.int64)
@@ -730,19 +735,48 @@ class LatencyModel:
         prices, fit = self._prices, self.latency_fit
         # float64 copies of the counts: exact below 2^53, so each product is the exact count, rounded once
         tokens = passes.tokens.astype(np.float64)
-        gemm = np.maximum(tokens * prices.gemm_flops_per_token / prices.peak_flops, prices.weight_seconds)
         attention = passes.attention_pairs.astype(np.float64) * prices.attention_flops_per_pair
         kv_bytes = prices.bytes_per_element * (
             passes.kv_tokens.astype(np.float64) * prices.kv_elements_per_token
         )
         seconds = (
-            fit.beta_fixed
-            + fit.alpha_gemm * gemm
-            + fit.alpha_tok * np.minimum(tokens, prices.ridge_tokens)
+            self._token_seconds(tokens)
             + fit.alpha_attn * (attention / prices.peak_flops)
             + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
         return self._verify.correct_array(seconds, tokens)
+
+    def predict_widths(self, s: np.ndarray, c: int) -> np.ndarray:
+        """Seconds of single-request verify passes of s[m] tokens over c cached tokens, corrected online:
+        [M] float64, the values of `predict_passes` for those passes bit for bit.
+
+        s: [M] int64 widths the passes run at (`padded_widths`), ascending; c: cached tokens (checked by the
+        caller). The one-request curve of the adaptive planner: the parts that depend on the tokens alone
+        come from the table built at construction (widths up to FIXED_TABLE_TOKENS), the rest as in
+        `predict_passes` (the same operations on the same exact counts).
+        """
+        table = self._token_table
+        if s.size == 0 or s[-1] >= table.shape[0]:
+            return self.predict_passes(VerifyPasses.common(s, np.array([c], dtype=np.int64)))
+        prices, fit = self._prices, self.latency_fit
+        tokens = s.astype(np.float64)
+        attention = tokens * (c + tokens) * prices.attention_flops_per_pair  # s·(c + s), exact, then priced
+        kv_bytes = prices.bytes_per_element * ((c + 2 * tokens) * prices.kv_elements_per_token)
+        seconds = (
+            table[s]
+            + fit.alpha_attn * (attention / prices.peak_flops)
+            + fit.alpha_kv * (kv_bytes / prices.bandwidth)
+        )
+        return self._verify.correct_array(seconds, tokens)
+
+    def _token_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """β_fixed + α_gemm·G(T) + α_tok·min(T, T*), the fit's parts that depend on a pass's tokens alone.
+        tokens: [M] float64 T (exact integers) -> [M] float64 seconds."""
+        prices, fit = self._prices, self.latency_fit
+        gemm = np.maximum(tokens * prices.gemm_flops_per_token / prices.peak_flops, prices.weight_seconds)
+        return (
+            fit.beta_fixed + fit.alpha_gemm * gemm + fit.alpha_tok * np.minimum(tokens, prices.ridge_tokens)
+        )
 
     def predict_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts) -> float:
         """Seconds of one verify pass over a batch. s_per_request, c_per_request: [B] tokens verified and

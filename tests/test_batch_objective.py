@@ -17,7 +17,7 @@ from bastion_sglang.controller import (
 )
 from bastion_sglang.controller.adaptive_plan import plan_adaptive
 from bastion_sglang.controller.batch_objective import BatchObjective, first_drop
-from bastion_sglang.controller.latency import LatencyFit, LatencyModel
+from bastion_sglang.controller.latency import FIXED_TABLE_TOKENS, LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import RooflineModel, lookup_gpu
 from bastion_sglang.controller.verify_passes import VerifyPasses
@@ -82,6 +82,19 @@ def test_predict_passes_is_predict_batch_bit_for_bit(name: str) -> None:
             values = model.predict_passes(VerifyPasses.ragged(ragged, contexts))
             for row, seconds in zip(ragged.tolist(), values.tolist(), strict=True):
                 assert seconds == model.predict_batch(row, contexts.tolist()), (batch, row)
+
+
+@pytest.mark.parametrize("name", list(models()))
+def test_predict_widths_is_predict_batch_bit_for_bit(name: str) -> None:
+    # the table of token-only parts covers widths up to FIXED_TABLE_TOKENS; past it the general path
+    model = models()[name]
+    top = model.width_buckets[-1] if model.width_buckets is not None else FIXED_TABLE_TOKENS + 40
+    for low, high in ((1, 300), (FIXED_TABLE_TOKENS - 20, FIXED_TABLE_TOKENS + 1), (top - 30, top + 1)):
+        widths = model.padded_widths(np.arange(max(low, 1), min(high, top + 1), dtype=np.int64))
+        for c in (0, 777, 30000):
+            values = model.predict_widths(widths, c)
+            for s, seconds in zip(widths.tolist(), values.tolist(), strict=True):
+                assert seconds == model.predict_batch([s], [c]), (s, c)
 
 
 def test_padded_widths_pad_up_and_raise_past_the_buckets() -> None:
