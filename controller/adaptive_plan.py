@@ -43,7 +43,7 @@ from bastion_sglang.controller.fast_tree import (
     host_token_ids,
 )
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
-from bastion_sglang.controller.verify_passes import check_contexts
+from bastion_sglang.controller.verify_passes import check_context
 
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
@@ -65,8 +65,8 @@ class _CycleCurve:
     asked for in chunks. seconds: [covered] float64, Ĉ(1..covered)."""
 
     def __init__(self, n_max: int, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> None:
-        self._context = int(check_contexts([ctx_len])[0])
-        latency.padded_widths(np.array([n_max + 1]))  # a width past the buckets raises as in `choose`
+        self._context = check_context(ctx_len)
+        latency.padded_width(n_max + 1)  # a width past the buckets raises as in `choose`
         self._n_max, self._latency, self._costs = n_max, latency, costs
         self.seconds = np.empty(0, dtype=np.float64)
 

@@ -88,10 +88,14 @@ class PassPrices:
         )
 
 
+def check_context(c: int) -> int:
+    """c, cached tokens of one request, as a Python int; ValueError unless it is an int >= 0."""
+    if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
+        raise ValueError(f"c (cached context tokens) must be an int >= 0, got {c!r}")
+    return int(c)
+
+
 def check_contexts(contexts: Sequence[int]) -> np.ndarray:
     """[B] cached tokens per request as an int64 host array; ValueError naming the first that is not an
     int >= 0."""
-    for c in contexts:
-        if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
-            raise ValueError(f"c (cached context tokens) must be an int >= 0, got {c!r}")
-    return np.array(contexts, dtype=np.int64).reshape(-1)
+    return np.array([check_context(c) for c in contexts], dtype=np.int64).reshape(-1)
