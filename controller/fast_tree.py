@@ -222,9 +222,8 @@ def _seed_threshold(logprobs: np.ndarray, budget: int) -> float:
     if budget < SEED_MIN_BUDGET:
         return -np.inf
     chain = logprobs[:, 0].cumsum()  # c_1..c_D: the heap's scores of the chain nodes
-    base = (
-        np.concatenate(([0.0], chain[:-1]))[:, None] + logprobs[:, :SEED_RANKS]
-    )  # [D, R]: c_{d-1} + lp_d[r]
+    # [D, R]: c_{d-1} + lp_d[r], the heap's score of each deviation node
+    base = np.concatenate(([0.0], chain[:-1]))[:, None] + logprobs[:, :SEED_RANKS]
     base[1:, 0] = -np.inf  # rank 0 past depth 1 is the chain again: each seed once
     # tails[d, j] = lp_{d+1}[0] + ... + lp_{d+j}[0] for j = 0..D-1 (0.0 at j = 0), -inf past depth D
     firsts = np.concatenate((logprobs[:, 0], np.full(depth_count, -np.inf)))
@@ -237,7 +236,7 @@ def _seed_threshold(logprobs: np.ndarray, budget: int) -> float:
     least = float(np.partition(estimates, cut)[cut])  # a_N
     if least < -SAFE_MAGNITUDE:  # -inf included
         return -np.inf
-    return float(np.nextafter(least - 8 * (depth_count + 1) * np.spacing(-least), -np.inf))
+    return float(np.nextafter(least - 8 * (depth_count + 1) * np.spacing(abs(least)), -np.inf))
 
 
 def _child_counts(
