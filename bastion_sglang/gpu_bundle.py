@@ -59,7 +59,9 @@ MODELS_PACKAGE = ("srt", "models")
 KEPT_MODELS = frozenset(
     {
         "__init__",
+        "registry",
         "utils",
+        "transformers",
         "llama",
         "qwen2",
         "qwen3",
@@ -73,8 +75,9 @@ KEPT_MODELS = frozenset(
         "qwen3_asr",
     }
 )
-"""Modules of `sglang.srt.models` kept: the dense Llama and Qwen2/Qwen3 targets, the DFlash drafter
-(BASTION's draft model) and what they import. Model subpackages are dropped."""
+"""Modules of `sglang.srt.models` kept: the model registry and shared utilities, the dense Llama and
+Qwen2/Qwen3 targets, the DFlash drafter (BASTION's draft model), what they import, and SGLang's generic
+Transformers fallback (`TransformersForCausalLM`). Model subpackages are dropped."""
 
 
 @dataclass(frozen=True)
