@@ -13,7 +13,8 @@ BASTION runs without overlap and matches that run. One reference Engine, then on
   SGLang processes themselves, so each request here combines only penalties whose order does not matter
   (the kernel test checks combinations in every order against SGLang's penalizers);
 - stop strings with penalties (a batch of 4, the stop cut from the reference's penalised texts);
-- structured outputs: json_schema and regex (a batch of 4, two with penalties).
+- structured outputs: json_schema and regex (a batch of 4, two with penalties), and on each BASTION Engine
+  the same grammars sampled at T = 0.8 (seeded, a batch of 4): every output completes its grammar.
 Parameters BASTION cannot honour exactly (return_hidden_states, custom_logit_processor) are refused per
 request with SGLang's error (a ValueError naming the parameter from `Engine.generate`), and the Engine
 keeps serving: the next request equals the reference.
@@ -114,6 +115,31 @@ STRUCTURED = [
     dict(GREEDY, ignore_eos=False, regex=REGEX, frequency_penalty=0.5),
 ]
 """Structured requests end where their grammar completes (EOS)."""
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+"""A schema every sampled output can complete within MAX_NEW_TOKENS (no unbounded number or string)."""
+SAMPLED = [
+    {
+        "temperature": 0.8,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "sampling_seed": 11 + i,
+        **grammar,
+        **penalty,
+    }
+    for i, (grammar, penalty) in enumerate(
+        (
+            ({"json_schema": json.dumps(BOUNDED_SCHEMA)}, {}),
+            ({"regex": REGEX}, {}),
+            ({"json_schema": json.dumps(BOUNDED_SCHEMA)}, {"presence_penalty": 0.8}),
+            ({"regex": REGEX}, {"top_k": 8, "top_p": 0.9, "min_p": 0.05}),
+        )
+    )
+]
+"""Structured requests sampled at T > 0: BASTION's output must always complete the grammar."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +149,7 @@ class Run:
     mixed: list[list[int]]
     stop: list[tuple[list[int], str]]
     structured: list[tuple[list[int], str]]
+    sampled: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (text, finish reason type)
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +185,16 @@ def _stops_from(texts: list[str]) -> list[str]:
     return stops
 
 
-def _run(engine: Any, derived: Derived) -> Run:
+def _run(engine: Any, derived: Derived, sampled: bool = False) -> Run:
     mixed = engine.generate(input_ids=PROMPTS, sampling_params=mixed_params(derived))
     stop = engine.generate(input_ids=PROMPTS[1:3], sampling_params=stop_params(derived))
     structured = engine.generate(input_ids=PROMPTS[4:8], sampling_params=STRUCTURED)
+    outputs = engine.generate(input_ids=PROMPTS[:4], sampling_params=SAMPLED) if sampled else []
     return Run(
         mixed=[out["output_ids"] for out in mixed],
         stop=[(out["output_ids"], out["text"]) for out in stop],
         structured=[(out["output_ids"], out["text"]) for out in structured],
+        sampled=[(out["text"], out["meta_info"]["finish_reason"]["type"]) for out in outputs],
     )
 
 
@@ -222,7 +251,7 @@ def bastion(
     )
     try:
         refusals = _refusals(engine)
-        yield request.param, _run(engine, reference_run[1]), refusals
+        yield request.param, _run(engine, reference_run[1], sampled=True), refusals
     finally:
         engine.shutdown()
 
@@ -265,6 +294,22 @@ def test_json_schema_and_regex_equal_no_speculation(
         assert got == want, (
             f"{name}: structured request {i} diverges at token {first_difference(got[0], want[0])}"
         )
+
+
+def test_sampled_structured_outputs_complete_their_grammar(bastion: tuple[str, Run, dict[str, str]]) -> None:
+    """At T = 0.8 every json_schema output parses and fits the schema, every regex output matches whole,
+    and each ended because its grammar completed (not at the length limit)."""
+    name, run, _ = bastion
+    assert len(run.sampled) == len(SAMPLED)
+    for (text, finish), params in zip(run.sampled, SAMPLED, strict=True):
+        assert finish == "stop", f"{name}: {text!r} ended by {finish}"
+        if "regex" in params:
+            assert re.fullmatch(REGEX, text), f"{name}: {text!r} does not match the regex"
+        else:
+            value = json.loads(text, strict=False)  # the grammar admits raw control characters in strings
+            assert set(value) == {"name", "ok"}, f"{name}: {text!r}"
+            assert isinstance(value["name"], str) and len(value["name"]) <= 8, f"{name}: {text!r}"
+            assert isinstance(value["ok"], bool), f"{name}: {text!r}"
 
 
 def test_unsupported_parameters_are_refused_per_request(bastion: tuple[str, Run, dict[str, str]]) -> None:
