@@ -11,16 +11,21 @@ also refuses what its tree step would otherwise silently change:
 - `return_hidden_states`: the verify pass's hidden states are those of the whole tree, not of the output;
 - `watermark`: SGLang's watermark biases its own sampler's candidates, which the sampling walk bypasses;
 - `return_sampling_mask`: SGLang records the sampler's support per sampled token, which the walk does not;
-- `beam_width` > 1: beam search replaces decoding, speculation does not apply to it.
+- `beam_width` > 1: beam search replaces decoding, speculation does not apply to it;
+- `ignore_eos` with a grammar (`json_schema`, `regex`, `ebnf`, `structural_tag`): once the grammar is
+  complete it admits only EOS, which `ignore_eos` forbids; SGLang then emits one token outside the grammar
+  (the argmax of a fully masked row) before it stops, which a tree step does not reproduce.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""Sampling parameters that constrain the output with a grammar."""
 REFUSAL_PREFIX = "--speculative-algorithm BASTION cannot honour"
 """How every refusal message starts (the parameter's name follows)."""
 
@@ -34,8 +39,17 @@ def unsupported_parameter(req: Req) -> str | None:
         (getattr(params, "watermark", None) is not None, "watermark", "the tree sampler bypasses it"),
         (bool(getattr(req, "return_sampling_mask", False)), "return_sampling_mask", "not recorded"),
         ((getattr(params, "beam_width", None) or 1) > 1, "beam_width", "beam search is not speculative"),
+        (
+            bool(getattr(params, "ignore_eos", False)) and _has_grammar(params),
+            "ignore_eos with a grammar",
+            "a complete grammar admits only EOS",
+        ),
     )
     for refused, name, reason in refusals:
         if refused:
             return f"{REFUSAL_PREFIX} {name} ({reason}); send it to a server without speculation"
     return None
+
+
+def _has_grammar(params: Any) -> bool:
+    return any(getattr(params, name, None) is not None for name in GRAMMAR_FIELDS)

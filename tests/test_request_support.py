@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
-from bastion_sglang.request_support import REFUSAL_PREFIX, unsupported_parameter
+from bastion_sglang.request_support import GRAMMAR_FIELDS, REFUSAL_PREFIX, unsupported_parameter
 
 
 def fake_req(**fields: Any) -> SimpleNamespace:
     """The fields of SGLang's `Req` the check reads, all at their accepted defaults unless given."""
     params = SimpleNamespace(
-        watermark=fields.pop("watermark", None), beam_width=fields.pop("beam_width", None)
+        **{name: fields.pop(name, None) for name in ("watermark", "beam_width", *GRAMMAR_FIELDS)},
+        ignore_eos=fields.pop("ignore_eos", False),
     )
     defaults = dict(custom_logit_processor=None, return_hidden_states=False, return_sampling_mask=False)
     return SimpleNamespace(sampling_params=params, **(defaults | fields))
@@ -22,6 +23,9 @@ def fake_req(**fields: Any) -> SimpleNamespace:
 def test_plain_requests_pass() -> None:
     assert unsupported_parameter(fake_req()) is None
     assert unsupported_parameter(fake_req(beam_width=1)) is None
+    assert unsupported_parameter(fake_req(ignore_eos=True)) is None
+    for name in GRAMMAR_FIELDS:
+        assert unsupported_parameter(fake_req(**{name: "x"})) is None
 
 
 @pytest.mark.parametrize(
@@ -32,6 +36,7 @@ def test_plain_requests_pass() -> None:
         ("watermark", {"watermark": {"key": 1}}),
         ("return_sampling_mask", {"return_sampling_mask": True}),
         ("beam_width", {"beam_width": 4}),
+        *(("ignore_eos with a grammar", {"ignore_eos": True, name: "x"}) for name in GRAMMAR_FIELDS),
     ],
 )
 def test_each_refusal_names_its_parameter(name: str, fields: dict[str, Any]) -> None:
