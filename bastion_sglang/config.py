@@ -6,16 +6,23 @@ how many candidates per draft position the tree search may branch into. Width bu
 (tokens per request, root included) that a captured CUDA graph serves; the bucketed policy fills the best
 one completely because its nodes are already paid for.
 
-SGLang server arguments are mapped to this record only in `bastion_sglang/registration.py`.
+SGLang server arguments are mapped to this record only in `bastion_sglang/registration.py`; the record
+travels on SGLang's ServerArgs (`attach_config` / `config_of`). This module imports no SGLang, so every
+floor (worker, graphs, CPU support, registration) reads the configuration from here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bastion_sglang.controller import AdaptivePolicy, BudgetPolicy
 
+ALGORITHM = "BASTION"
+"""The `--speculative-algorithm` name."""
+CONFIG_ATTR = "_bastion_config"
+"""Bookkeeping attribute of a ServerArgs record holding its BastionConfig (pickled along with the record)."""
 DEFAULT_MAX_BUDGET = 64
 DEFAULT_TOPK = 8
 DEFAULT_EMA_ALPHA = 0.1
@@ -106,3 +113,16 @@ class BastionConfig:
         """Candidates per depth the tree search uses: `topk`, capped by the policy (1 for a chain)."""
         cap = self.policy.topk_cap
         return self.topk if cap is None else min(cap, self.topk)
+
+
+def attach_config(server_args: Any, config: BastionConfig) -> None:
+    """Give a ServerArgs record its BastionConfig (for `sglang.Engine(server_args=...)` callers)."""
+    if not isinstance(config, BastionConfig):
+        raise TypeError(f"expected a BastionConfig, got {type(config).__name__}")
+    setattr(server_args, CONFIG_ATTR, config)
+
+
+def config_of(server_args: Any) -> BastionConfig:
+    """The record's BastionConfig, or the default one when none was attached. Reads through SGLang's views."""
+    config = getattr(server_args, CONFIG_ATTR, None)
+    return BastionConfig() if config is None else config

@@ -70,7 +70,7 @@ def prepare_cpu_torch_build() -> None:
 
 def prepare_scheduler_process(server_args: Any) -> None:
     """Install BASTION's CPU stand-ins in this scheduler process when it runs BASTION on the CPU."""
-    from bastion_sglang.registration import ALGORITHM
+    from bastion_sglang.config import ALGORITHM
 
     if str(server_args.device) == "cpu" and (server_args.speculative_algorithm or "").upper() == ALGORITHM:
         install_bastion_stand_ins()

@@ -42,8 +42,8 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.runtime_context import get_context, get_spec
 from sglang.srt.utils import get_available_gpu_memory
 
+from bastion_sglang.config import config_of
 from bastion_sglang.graph_buckets import EagerReason, VerifyShape, choose_verify_shape, validate_graph_widths
-from bastion_sglang.registration import config_of
 from bastion_sglang.spec_input import BastionVerifyInput
 
 if TYPE_CHECKING:

@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from bastion_sglang.config import (
+    ALGORITHM,
     DEFAULT_EMA_ALPHA,
     DEFAULT_MAX_BUDGET,
     DEFAULT_TOPK,
     BastionConfig,
+    attach_config,
+    config_of,
     default_width_buckets,
 )
 from bastion_sglang.controller import BudgetPolicy, parse_policy
@@ -44,10 +47,6 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
-
-ALGORITHM = "BASTION"
-CONFIG_ATTR = "_bastion_config"
-"""Bookkeeping attribute of a ServerArgs record holding its BastionConfig (pickled along with the record)."""
 
 MAX_BUDGET_LIMIT = 1024
 """Largest N_max accepted: the largest budget the BASTION paper sweeps. On CUDA the target's verify mask
@@ -182,19 +181,6 @@ def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
         width_buckets=given["bastion_width_buckets"],
         topk=given["bastion_topk"],
     )
-
-
-def attach_config(server_args: Any, config: BastionConfig) -> None:
-    """Give a ServerArgs record its BastionConfig (for `sglang.Engine(server_args=...)` callers)."""
-    if not isinstance(config, BastionConfig):
-        raise TypeError(f"expected a BastionConfig, got {type(config).__name__}")
-    setattr(server_args, CONFIG_ATTR, config)
-
-
-def config_of(server_args: Any) -> BastionConfig:
-    """The record's BastionConfig, or the default one when none was attached. Reads through SGLang's views."""
-    config = getattr(server_args, CONFIG_ATTR, None)
-    return BastionConfig() if config is None else config
 
 
 # ---- CLI hooks (HookRegistry) ------------------------------------------------------------------

@@ -57,9 +57,9 @@ from bastion_sglang.calibration.lookup import (
 from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
 from bastion_sglang.calibration.microbench import datasheet_or_measured, measure_peaks
 from bastion_sglang.calibration.store import ProfileStore
-from bastion_sglang.config import BastionConfig
+from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
-from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_unchecked
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
 from bastion_sglang.controller.gate import SpeculationGate
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
@@ -75,7 +75,6 @@ from bastion_sglang.metrics import (
     StepTimes,
     scheduler_metric_labels,
 )
-from bastion_sglang.registration import config_of
 from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
 from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
 
@@ -436,7 +435,7 @@ class BastionWorker(DFlashWorkerV2):
                 calibrated = (
                     top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
                 )
-                trees = build_trees_unchecked(calibrated, top.token_ids, self.config.max_budget)
+                trees = build_trees_auto_unchecked(calibrated, top.token_ids, self.config.max_budget)
                 scales = self._acceptance_tracker.corrections(greedy)
                 plan = plan_batch(
                     trees,

@@ -219,7 +219,10 @@ def model_dirs(tmp_path: Path) -> tuple[Path, Path]:
     [
         (["--policies", "ar,chian"], "unknown policy 'chian'"),
         (["--policies", "ar,fixed:0"], "'fixed:0'"),
-        (["--policies", "ar,fixed:300", "--max-budget", "64"], "300 nodes exceed --max-budget 64"),
+        (
+            ["--policies", "ar,fixed:300", "--max-budget", "64"],
+            "fixed:300 verifies more nodes than max_budget 64",
+        ),
         (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
         (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
         (["--temperatures", "0,hot"], "'hot' is not a number"),

@@ -23,10 +23,11 @@ from sglang.srt.server_args import prepare_server_args
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from tiny_models import make_tiny_drafter, make_tiny_target
 
+from bastion_sglang.config import config_of
 from bastion_sglang.controller import FixedPolicy
 from bastion_sglang.controller.profile import ProfileError
 from bastion_sglang.drafter_config import DrafterMismatchError
-from bastion_sglang.registration import BastionSpecAlgo, check_draft_logits_supported, config_of
+from bastion_sglang.registration import BastionSpecAlgo, check_draft_logits_supported
 
 load_plugins()
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.config import default_width_buckets
-from bastion_sglang.controller.policies import FixedPolicy, parse_policy
+from bastion_sglang.controller.policies import parse_policy
 from bastion_sglang.prompt_sets import PROMPT_SETS, Prompt, chat_prompt_ids, load_prompts
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,15 @@ def parse_policies(text: str, max_budget: int) -> tuple[BenchPolicy, ...]:
         if name in ("ar", "dflash"):
             policies.append(BenchPolicy(name, "ar" if name == "ar" else "dflash"))
             continue
+        buckets = default_width_buckets(max_budget)
         try:
-            parsed = parse_policy(name, width_buckets=default_width_buckets(max_budget))
+            parsed = parse_policy(name, width_buckets=buckets)
         except ValueError as error:
             raise ValueError(f"--policies: {error} (or dflash, on CUDA)") from None
-        if isinstance(parsed, FixedPolicy) and parsed.nodes > max_budget:
-            raise ValueError(
-                f"--policies {name}: {parsed.nodes} nodes exceed --max-budget {max_budget} (N_max); raise it"
-            )
+        try:
+            parsed.check_config(max_budget, buckets)
+        except ValueError as error:
+            raise ValueError(f"--policies {name} with --max-budget {max_budget}: {error}") from None
         policies.append(BenchPolicy(name, "bastion"))
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
