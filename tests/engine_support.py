@@ -1,4 +1,4 @@
-"""Shared pieces of the in-process `sglang.Engine` tests (test_sglang_engine.py, test_hardening_engine.py).
+"""Shared pieces of the in-process `sglang.Engine` tests (test_sglang_engine.py, test_hardening_engine.py, ...
 
 `make_model_pair` writes the tiny fp32 Qwen3 target (vocabulary 260, the tokenizer's own ids, so outputs
 decode to text) and its z-lab-format DFlash drafter; `engine_server_args` builds the CPU `ServerArgs` of an
@@ -18,6 +18,20 @@ from bastion_sglang.registration import attach_config
 
 VOCAB_SIZE = 260
 """The tokenizer's own ids only: every output token decodes to text."""
+PROMPTS = [
+    list(text.encode())
+    for text in (
+        "hello world",
+        "the quick brown fox",
+        "abc",
+        "once upon a time there",
+        "0123456789",
+        "BASTION verifies trees",
+        "zz",
+        "a longer prompt that spans more than one block of sixteen tokens",
+    )
+]
+"""Eight byte-level prompts of 2 to 64 tokens, one longer than a drafter block."""
 
 
 def make_model_pair(root: Path) -> tuple[Path, Path]:

@@ -34,7 +34,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from engine_support import engine_server_args, first_difference, make_model_pair  # noqa: E402
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor  # noqa: E402
 
 from bastion_sglang.registration import make_config  # noqa: E402
@@ -42,19 +42,6 @@ from bastion_sglang.request_support import REFUSAL_PREFIX  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    list(text.encode())
-    for text in (
-        "hello world",
-        "the quick brown fox",
-        "abc",
-        "once upon a time there",
-        "0123456789",
-        "BASTION verifies trees",
-        "zz",
-        "a longer prompt that spans more than one block of sixteen tokens",
-    )
-]
 MAX_NEW_TOKENS = 128
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 MIN_NEW_PARTIAL = 40

@@ -25,26 +25,13 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
+from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import write_references  # noqa: E402
 
 from bastion_sglang.registration import make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    list(text.encode())
-    for text in (
-        "hello world",
-        "the quick brown fox",
-        "abc",
-        "once upon a time there",
-        "0123456789",
-        "BASTION verifies trees",
-        "zz",
-        "a longer prompt that spans more than one block of sixteen tokens",
-    )
-]
 MAX_NEW_TOKENS = 32
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
 SHORT_LENGTHS = (1, 2, 3)

@@ -22,26 +22,13 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from engine_support import engine_server_args, first_difference, make_model_pair  # noqa: E402
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import write_references  # noqa: E402
 
 from bastion_sglang.registration import make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    list(text.encode())
-    for text in (
-        "hello world",
-        "the quick brown fox",
-        "abc",
-        "once upon a time there",
-        "0123456789",
-        "BASTION verifies trees",
-        "zz",
-        "a longer prompt that spans more than one block of sixteen tokens",
-    )
-]
 RIGHT, WRONG, SWITCHING = [0, 1], [2, 3], [4, 5, 6, 7]
 MAX_NEW_TOKENS = 512
 SWITCH_PERIOD = 64
