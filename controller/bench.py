@@ -39,7 +39,7 @@ from bastion_sglang.controller.fast_tree import HostNodes, build_tree_fast, host
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import AdaptivePolicy, BatchPlan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree
 
 BUDGETS = (64, 128, 256, 512, 1024)
@@ -47,15 +47,6 @@ DEPTHS = 15
 WIDTH = 64
 """K at budgets >= 64."""
 BUILDER_BATCHES = (1, 8, 32)
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
 CONTEXT = 1024
 ADAPTIVE_BUDGET = 1024

@@ -115,6 +115,18 @@ class ModelShape(BaseModel):
         )
 
 
+QWEN3_8B = ModelShape(
+    num_layers=36,
+    hidden_size=4096,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_size=12288,
+    vocab_size=151936,
+)
+"""Qwen3-8B, the reference target shape of the planner bench, the GPU benchmarks and the tests."""
+
+
 @dataclass(frozen=True)
 class _ConfigKeys:
     """Positive-integer lookups in a config dict; errors name the key and the source."""

@@ -15,17 +15,8 @@ from bastion_sglang.calibration.fitting import build_profile
 from bastion_sglang.calibration.identity import RuntimeIdentity
 from bastion_sglang.controller.latency import DecodeFit, LatencyFit, LatencyModel, LatencySample
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileMetadata, StepCosts
-from bastion_sglang.controller.roofline import KNOWN_GPUS, ModelShape, RooflineModel
+from bastion_sglang.controller.roofline import KNOWN_GPUS, QWEN3_8B, RooflineModel
 
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 H100 = KNOWN_GPUS["H100-SXM"]
 TRUE_FIT = LatencyFit(
     beta_fixed=2.5e-3,

@@ -22,17 +22,8 @@ from bastion_sglang.controller.latency import (
     fit_latency,
     validate_leave_out,
 )
-from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+from bastion_sglang.controller.roofline import QWEN3_8B, HardwareSpec, ModelShape, RooflineModel
 
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 GPU = HardwareSpec(name="test-gpu", peak_flops=989.4e12, bandwidth=3.35e12)
 TRUE_FIT = LatencyFit(
     beta_fixed=4e-3,

@@ -20,17 +20,8 @@ from bastion_sglang.controller import (
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.policies import expected_accept_curve, speedup_curve
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+from bastion_sglang.controller.roofline import QWEN3_8B, HardwareSpec, RooflineModel
 
-QWEN3_8B = ModelShape(
-    num_layers=36,
-    hidden_size=4096,
-    num_q_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    ffn_size=12288,
-    vocab_size=151936,
-)
 H100 = HardwareSpec(name="H100 SXM", peak_flops=989e12, bandwidth=3.35e12)
 COSTS = StepCosts(t_draft=2.5e-3, t_aux=0.5e-3, l_ar=18e-3)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1025)
