@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bastion_sglang.controller import AdaptivePolicy, BudgetPolicy
+from bastion_sglang.controller.latency import validate_width_buckets
 
 ALGORITHM = "BASTION"
 """The `--speculative-algorithm` name."""
@@ -80,14 +81,8 @@ class BastionConfig:
             raise ValueError(f"ema_alpha must be a number in (0, 1], got {self.ema_alpha!r}")
         if not 0.0 < float(self.ema_alpha) <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        buckets = self.width_buckets
-        if (
-            not buckets
-            or any(isinstance(b, bool) or not isinstance(b, int) for b in buckets)
-            or list(buckets) != sorted(set(buckets))
-        ):
-            raise ValueError(f"width_buckets must be sorted, unique ints, got {buckets!r}")
-        if buckets[0] < 2 or buckets[-1] > self.verify_width_cap:
+        buckets = validate_width_buckets(self.width_buckets, lowest=2)
+        if buckets[-1] > self.verify_width_cap:
             raise ValueError(
                 f"width_buckets {buckets} must lie in [2, {self.verify_width_cap}] "
                 f"(verify widths count the root; the cap is max_budget + 1)"

@@ -427,15 +427,19 @@ def validate_leave_out(
     )
 
 
-def validate_width_buckets(width_buckets: Sequence[int]) -> tuple[int, ...]:
-    """Buckets as a tuple; ValueError unless they are non-empty, sorted, duplicate-free ints >= 1."""
+def validate_width_buckets(width_buckets: Sequence[int], lowest: int = 1) -> tuple[int, ...]:
+    """Buckets as a tuple; ValueError unless they are non-empty, sorted, duplicate-free ints >= lowest.
+    The one check of verify width buckets (tokens per request, root included): the latency model and the
+    profile take 1 (the plain decode width), the configuration and the bucketed policy start at 2."""
     buckets = tuple(width_buckets)
     if (
         not buckets
-        or any(isinstance(b, bool) or not isinstance(b, Integral) or b < 1 for b in buckets)
+        or any(isinstance(b, bool) or not isinstance(b, Integral) or b < lowest for b in buckets)
         or list(buckets) != sorted(set(buckets))
     ):
-        raise ValueError(f"width_buckets must be sorted, unique ints >= 1, got {list(width_buckets)!r}")
+        raise ValueError(
+            f"width_buckets must be sorted, unique ints >= {lowest}, got {list(width_buckets)!r}"
+        )
     return tuple(int(b) for b in buckets)
 
 

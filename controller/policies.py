@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from bastion_sglang.controller.batch_objective import BatchObjective, accept_curves, first_drop
+from bastion_sglang.controller.latency import validate_width_buckets
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -205,9 +206,7 @@ class BucketedAdaptivePolicy:
     width_buckets: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        buckets = self.width_buckets
-        if not buckets or any(b < 2 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"width buckets must be sorted, unique and >= 2, got {buckets!r}")
+        validate_width_buckets(self.width_buckets, lowest=2)
 
     @property
     def topk_cap(self) -> int | None:

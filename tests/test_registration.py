@@ -176,6 +176,8 @@ def test_flags_without_the_algorithm_are_refused(models: dict[str, Path]) -> Non
         (("--bastion-max-budget", "4", "--bastion-policy", "fixed:6"), "policy fixed:6 verifies more nodes"),
         (("--bastion-ema-alpha", "1.5"), "ema_alpha must be in \\(0, 1\\]"),
         (("--bastion-width-buckets", "8,4"), "width_buckets must be sorted, unique ints"),
+        (("--bastion-width-buckets", "1,4"), "width_buckets must be sorted, unique ints >= 2"),
+        (("--bastion-width-buckets", "2,128"), "width_buckets \\(2, 128\\) must lie in \\[2, 65\\]"),
     ],
 )
 def test_bad_options_are_refused_when_parsed(
