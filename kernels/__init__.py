@@ -8,8 +8,9 @@ on that path, so importing this package never needs a GPU driver.
 
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
 `build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify ->
-`accept_greedy` / `accept_sampling` (uniforms from `position_uniforms`) -> `accepted_kv_moves` ->
-`apply_kv_moves`.
+`accept_greedy` / `accept_sampling` (uniforms from `position_uniforms`) -> `compaction_order` /
+`committed_tokens` (the SGLang worker permutes KV slots) or `accepted_kv_moves` -> `apply_kv_moves` (the
+reference engine copies KV rows).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ __all__ = [
     "apply_kv_moves",
     "apply_tree_penalties",
     "build_verify_layout",
+    "committed_tokens",
+    "compaction_order",
     "filter_rule",
     "flat_custom_mask",
     "flatten_trees",
@@ -218,6 +221,27 @@ def accepted_kv_moves(
 
         return triton_kv.accepted_kv_moves(accept_index, accept_length, tree_base)
     return reference.accepted_kv_moves(accept_index, accept_length, tree_base)
+
+
+def compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """Permutation of each verify row that puts the accepted path first, root to deepest.
+
+    accept_index: [B, W] int64 accepted positions (root first, NO_NODE padded); accept_length: [B] int64.
+    Returns order [B, W] int64: order[b, k] = accept_index[b, k] for k <= accept_length[b], then the other
+    positions ascending; applied to the row's KV slots, hidden states and logits. No host sync.
+    """
+    checks.check_compaction_order(accept_index, accept_length)
+    return reference.compaction_order(accept_index, accept_length)
+
+
+def committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: AcceptResult) -> torch.Tensor:
+    """[B, W] int64 output rows: the accepted draft tokens (depths 1..a), the bonus at column a, zeros after.
+
+    tokens: [B, W] int64 verify-row tokens; order: `compaction_order` of `accept`; accept: the accept walk's
+    result. No host sync.
+    """
+    checks.check_committed_tokens(tokens, order, accept)
+    return reference.committed_tokens(tokens, order, accept)
 
 
 def apply_kv_moves(cache: torch.Tensor, moves: KvMoves) -> None:

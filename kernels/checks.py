@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from bastion_sglang.kernels.types import DraftTreeRows, KvMoves, TreeBatch
+from bastion_sglang.kernels.types import AcceptResult, DraftTreeRows, KvMoves, TreeBatch
 
 
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -193,6 +193,34 @@ def check_accepted_kv_moves(
         _require_int64(name, tensor, "[B]", 1)
         _require_shape(name, tensor, (batch,), "[B]")
         _require_device(name, tensor, accept_index.device)
+
+
+def check_compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> None:
+    """accept_index [B, W] int64, W >= 1; accept_length [B] int64; one device."""
+    _require_tensor("accept_index", accept_index)
+    _require_int64("accept_index", accept_index, "[B, W]", 2)
+    if accept_index.shape[1] == 0:
+        raise ValueError("accept_index must have width W >= 1 (slot 0 is the root)")
+    _require_tensor("accept_length", accept_length)
+    _require_int64("accept_length", accept_length, "[B]", 1)
+    _require_shape("accept_length", accept_length, (accept_index.shape[0],), "[B]")
+    _require_device("accept_length", accept_length, accept_index.device)
+
+
+def check_committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: AcceptResult) -> None:
+    """tokens [B, W] int64; order [B, W] int64; accept's fields [B, W] / [B] int64; one device."""
+    _require_tensor("tokens", tokens)
+    _require_int64("tokens", tokens, "[B, W]", 2)
+    _require_tensor("order", order)
+    _require_int64("order", order, "[B, W]", 2)
+    _require_shape("order", order, tuple(tokens.shape), "[B, W]")
+    _require_device("order", order, tokens.device)
+    check_compaction_order(accept.accept_index, accept.accept_length)
+    _require_shape("accept.accept_index", accept.accept_index, tuple(tokens.shape), "[B, W]")
+    _require_device("accept.accept_index", accept.accept_index, tokens.device)
+    _require_tensor("accept.bonus_tokens", accept.bonus_tokens)
+    _require_int64("accept.bonus_tokens", accept.bonus_tokens, "[B]", 1)
+    _require_shape("accept.bonus_tokens", accept.bonus_tokens, (tokens.shape[0],), "[B]")
 
 
 def check_apply_kv_moves(cache: torch.Tensor, moves: KvMoves) -> None:

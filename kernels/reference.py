@@ -303,3 +303,32 @@ def tree_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+    """Permutation of each verify row that puts the accepted path first, root to deepest.
+
+    accept_index: [B, W] int64 accepted positions (root first, NO_NODE padded); accept_length: [B].
+    Returns order [B, W] int64: order[b, k] = accept_index[b, k] for k <= accept_length[b], then the other
+    positions ascending. Applied to the row's slots, hidden states and logits.
+    """
+    batch, width = accept_index.shape
+    slot = torch.arange(width, device=accept_index.device).expand(batch, width)
+    on_path = slot <= accept_length[:, None]
+    keys = torch.cat([width + slot, slot.new_zeros((batch, 1))], dim=1)  # spare column for padding
+    target = torch.where(on_path, accept_index, width)
+    keys.scatter_(1, target, torch.where(on_path, slot, 0))
+    return torch.argsort(keys[:, :width], dim=1, stable=True)
+
+
+def committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: AcceptResult) -> torch.Tensor:
+    """[B, W] output row: the accepted draft tokens (depth 1..a), the bonus at column a, zeros after.
+
+    tokens: [B, W] verify-row tokens; order: `compaction_order`; accept: the accept walk's result.
+    """
+    width = tokens.shape[1]
+    path = tokens.gather(1, order)  # column k = token at depth k on the accepted path (k <= a)
+    out = torch.cat([path[:, 1:], path.new_zeros((path.shape[0], 1))], dim=1)
+    column = torch.arange(width, device=tokens.device)[None, :]
+    out = torch.where(column < accept.accept_length[:, None], out, 0)
+    return out.scatter_(1, accept.accept_length[:, None], accept.bonus_tokens[:, None])
