@@ -708,7 +708,7 @@ class BastionWorker(DFlashWorkerV2):
     def _step_costs(self, contexts: list[int]) -> StepCosts:
         """Per-step costs for the planner: this worker's measured stages (the profile's costs until they
         warm up) and L_AR, the latency model's plain decode step of the whole batch."""
-        return self._costs.costs(l_ar=self.latency.predict_plain_batch(contexts))
+        return self._costs.costs(l_ar=self.latency.predict_plain_batch(contexts), batch=len(contexts))
 
     def _raw_expected_accept(
         self, trees: DraftTreeBatch, top: kernels.DraftTopK, counts: Sequence[int]
@@ -745,4 +745,4 @@ class BastionWorker(DFlashWorkerV2):
                     record.estimated_verify_seconds, times.verify, self.latency.ema_factor
                 )
         if record.drafted:
-            self._costs.observe(times.draft, times.aux, sum(record.widths))
+            self._costs.observe(times.draft, times.aux, sum(record.widths), len(record.widths))

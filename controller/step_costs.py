@@ -4,25 +4,73 @@ A decode step costs Ĉ = T_draft + T_aux + t_aux_per_token · tokens + T_verify 
 where `tokens` counts the verify tokens of the whole batch. T_aux + t_aux_per_token · tokens is everything on
 the host and device outside the two forwards: tree search, mask and layout building, logits processing, the
 accept walk, KV compaction. It grows with the tree, so a constant would price wide trees too cheaply.
+T_draft is one drafter pass over the batch's B blocks: flat in B on a GPU at small batches, close to
+proportional to B where the drafter is compute-bound (a CPU: 18 ms at B = 1, 80 ms at B = 8 on the demo
+pair), so it is a line in B as well, and the planner prices the batch it plans.
 
-`StepCostTracker` fits (T_aux, t_aux_per_token) by exponentially weighted least squares on the measured
-(tokens, seconds) of recent steps, with the slope kept >= 0 (a negative slope, which noise can produce when
-the widths barely vary, falls back to slope 0 and the weighted mean). T_draft is an exponentially weighted
-mean. A prior (a profile's measured costs) enters the sums as `prior_weight` pseudo-steps (at 1 and at
-PRIOR_TOKENS tokens) that decay like measured ones: with the server's default weight of 1 / ema_alpha
-pseudo-steps the measurements take over within a few dozen steps, and a tiny ema_alpha keeps the profile.
+`StepCostTracker` fits both lines, (T_aux, t_aux_per_token) over tokens and (T_draft at B = 0, seconds per
+request) over B, by exponentially weighted least squares on recent drafted steps, the slope kept >= 0 (a
+negative slope, which noise can produce when x barely varies, falls back to slope 0 and the weighted mean).
+A prior (a profile's measured costs, T_draft measured at B = 1) enters the sums as `prior_weight`
+pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at B = 1) that decay like measured ones: with the
+server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a few dozen steps,
+and a tiny ema_alpha keeps the profile. One drafted step at another batch size fixes the draft line's slope.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bastion_sglang.controller.profile import StepCosts
 
 PRIOR_TOKENS = 64
-"""Token count of the prior's second pseudo-step (the first is at 1 token): two points fix its line."""
+"""Token count of the prior's second aux pseudo-step (the first is at 1 token): two points fix its line."""
+
+
+@dataclass
+class DecayingLine:
+    """y ≈ intercept + slope · x by exponentially weighted least squares, slope >= 0 (module docstring).
+
+    Weighted sums of 1, x, x², y and x·y; `decay` scales them all, `add` puts one weighted point in.
+    """
+
+    w: float = 0.0
+    x: float = 0.0
+    xx: float = 0.0
+    y: float = 0.0
+    xy: float = 0.0
+
+    def decay(self, factor: float) -> None:
+        self.w, self.x, self.xx = factor * self.w, factor * self.x, factor * self.xx
+        self.y, self.xy = factor * self.y, factor * self.xy
+
+    def add(self, weight: float, x: float, y: float) -> None:
+        self.w += weight
+        self.x += weight * x
+        self.xx += weight * x * x
+        self.y += weight * y
+        self.xy += weight * x * y
+
+    def fit(self) -> tuple[float, float]:
+        """(intercept, slope); (0, 0) before any point. A slope <= 0 gives (weighted mean, 0); an intercept
+        < 0 gives the line through the origin at the weighted least-squares slope."""
+        if self.w == 0:
+            return 0.0, 0.0
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        variance = self.xx / self.w - mean_x * mean_x
+        if variance <= 1e-9 * max(mean_x * mean_x, 1.0):
+            return mean_y, 0.0
+        slope = (self.xy / self.w - mean_x * mean_y) / variance
+        if slope <= 0:
+            return mean_y, 0.0
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            return 0.0, self.xy / self.xx
+        return intercept, slope
 
 
 class StepCostTracker:
-    """Running T_draft, T_aux and t_aux_per_token (module docstring).
+    """Running T_draft(B), T_aux and t_aux_per_token (module docstring).
 
     prior: the profile's StepCosts, or None. decay: weight the running sums keep per step, in (0, 1).
     prior_weight: pseudo-steps the prior counts for, > 0.
@@ -37,52 +85,36 @@ class StepCostTracker:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
         self._decay = decay
         self._steps = 0
-        # weighted sums: weight, Σw·x, Σw·x², Σw·y, Σw·x·y, Σw·draft
-        self._w = self._x = self._xx = self._y = self._xy = self._draft = 0.0
+        self._aux = DecayingLine()  # seconds over verify tokens of the batch
+        self._draft = DecayingLine()  # seconds over requests in the batch
         if prior is not None:
-            half = prior_weight / 2
             for tokens in (1, PRIOR_TOKENS):
-                seconds = prior.t_aux + prior.t_aux_per_token * tokens
-                self._add(half, prior.t_draft, seconds, tokens)
-
-    def _add(self, weight: float, draft_seconds: float, aux_seconds: float, tokens: int) -> None:
-        self._w += weight
-        self._x += weight * tokens
-        self._xx += weight * tokens * tokens
-        self._y += weight * aux_seconds
-        self._xy += weight * tokens * aux_seconds
-        self._draft += weight * draft_seconds
+                self._aux.add(prior_weight / 2, tokens, prior.t_aux + prior.t_aux_per_token * tokens)
+            self._draft.add(prior_weight, 1, prior.t_draft)
 
     @property
     def steps(self) -> int:
         return self._steps
 
-    def observe(self, draft_seconds: float, aux_seconds: float, tokens: int) -> None:
-        """One measured step: drafter seconds, seconds outside the forwards, verify tokens of the batch."""
-        d = self._decay
-        self._w, self._x, self._xx = d * self._w, d * self._x, d * self._xx
-        self._y, self._xy, self._draft = d * self._y, d * self._xy, d * self._draft
-        self._add(1.0, draft_seconds, aux_seconds, tokens)
+    def observe(self, draft_seconds: float, aux_seconds: float, tokens: int, batch: int = 1) -> None:
+        """One measured drafted step: drafter seconds, seconds outside the forwards, verify tokens of the
+        batch, requests in the batch."""
+        for line in (self._aux, self._draft):
+            line.decay(self._decay)
+        self._aux.add(1.0, tokens, aux_seconds)
+        self._draft.add(1.0, batch, draft_seconds)
         self._steps += 1
 
     def aux_line(self) -> tuple[float, float]:
         """(T_aux seconds, t_aux_per_token seconds per token) fitted so far; (0, 0) before any step."""
-        if self._w == 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        variance = self._xx / self._w - mean_x * mean_x
-        if variance <= 1e-9 * max(mean_x * mean_x, 1.0):
-            return mean_y, 0.0
-        slope = (self._xy / self._w - mean_x * mean_y) / variance
-        if slope <= 0:
-            return mean_y, 0.0
-        intercept = mean_y - slope * mean_x
-        if intercept < 0:  # the line through the origin at the weighted least-squares slope
-            return 0.0, self._xy / self._xx
-        return intercept, slope
+        return self._aux.fit()
 
-    def costs(self, l_ar: float) -> StepCosts:
-        """StepCosts for the planner with `l_ar`, the plain-decoding seconds of the batch it plans."""
+    def draft_seconds(self, batch: int) -> float:
+        """T_draft of a drafter pass over `batch` requests, seconds; 0 before any step."""
+        intercept, per_request = self._draft.fit()
+        return intercept + per_request * batch
+
+    def costs(self, l_ar: float, batch: int = 1) -> StepCosts:
+        """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds."""
         t_aux, per_token = self.aux_line()
-        t_draft = self._draft / self._w if self._w else 0.0
-        return StepCosts(t_draft=t_draft, t_aux=t_aux, l_ar=l_ar, t_aux_per_token=per_token)
+        return StepCosts(t_draft=self.draft_seconds(batch), t_aux=t_aux, l_ar=l_ar, t_aux_per_token=per_token)

@@ -55,3 +55,24 @@ def test_prior_counts_as_pseudo_steps() -> None:
 def test_rejects_bad_decay() -> None:
     with pytest.raises(ValueError, match="decay"):
         StepCostTracker(decay=1.0)
+
+
+def test_draft_cost_is_a_line_in_the_batch_size() -> None:
+    tracker = StepCostTracker(decay=0.99)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        batch = int(rng.integers(1, 33))
+        tracker.observe(0.01 + 0.009 * batch + rng.normal(0, 1e-4), 0.001, 2 * batch, batch)
+    assert tracker.draft_seconds(1) == pytest.approx(0.019, rel=0.02)
+    assert tracker.costs(l_ar=0.05, batch=32).t_draft == pytest.approx(0.01 + 0.009 * 32, rel=0.01)
+
+
+def test_one_drafted_step_at_a_larger_batch_prices_that_batch() -> None:
+    """A profile measures the drafter at B = 1; the first probe at B = 8 fixes the line's slope, so the
+    next plan at B = 8 pays what that probe paid, while B = 1 keeps the profile's cost."""
+    prior = StepCosts(t_draft=0.018, t_aux=0.001, l_ar=0.045)
+    tracker = StepCostTracker(prior=prior, prior_weight=10.0)
+    assert tracker.draft_seconds(8) == pytest.approx(0.018)
+    tracker.observe(0.080, 0.001, 16, 8)
+    assert tracker.draft_seconds(8) == pytest.approx(0.080)
+    assert tracker.draft_seconds(1) == pytest.approx(0.018)
