@@ -60,7 +60,7 @@ from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
-from bastion_sglang.controller.gate import SpeculationGate
+from bastion_sglang.controller.gate import SpeculationGate, full_tree_accept, speculation_ceiling
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
@@ -318,6 +318,7 @@ class BastionWorker(DFlashWorkerV2):
         self._timer = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
+        self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (
             BastionMetrics(scheduler_metric_labels())
@@ -390,7 +391,15 @@ class BastionWorker(DFlashWorkerV2):
 
         greedy = [is_greedy(req) for req in batch.reqs]
         costs = self._step_costs(contexts)
-        drafting = self._gate.should_draft() if self.config.policy.may_decline else True
+        drafting = True
+        if self.config.policy.may_decline:
+            full_accept = self._full_accept
+            ceiling = (
+                None
+                if full_accept is None
+                else lambda: speculation_ceiling(full_accept, contexts, self.latency, costs)
+            )
+            drafting = self._gate.should_draft(ceiling)
         top: kernels.DraftTopK | None = None
         if drafting:
             with self._timer.stage("draft"):
@@ -420,6 +429,7 @@ class BastionWorker(DFlashWorkerV2):
                     allow_plain=not self._gate.skipping,
                 )
                 self._gate.record(plan.speculative_speedup)
+                self._full_accept = full_tree_accept(trees.log_scores, scales)
             width = plan.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)

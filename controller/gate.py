@@ -7,11 +7,27 @@ plainly (speedup exactly 1 by definition). After `backoff` skipped steps one ste
 speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan
 beats plain decoding, every step drafts again and the backoff returns to `min_backoff`. A batch that
 shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps.
+
+A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1,
+more than a plain step). So before drafting, the caller may pass a `ceiling`: the highest speedup any
+speculative plan could reach this step, the last drafted step's whole-tree Â over the cheapest speculative
+cycle of this batch (`speculation_ceiling`). While the ceiling is at most 1, a probe the backoff asks for is
+skipped too; only a refresh probe after `max_backoff` steps without drafting still runs (the text may have
+become easier). When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's
+probes run again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from bastion_sglang.controller.latency import LatencyModel
+    from bastion_sglang.controller.profile import StepCosts
 
 
 @dataclass
@@ -24,6 +40,7 @@ class SpeculationGate:
     _skip_remaining: int = field(default=0, init=False)
     _skipped: int = field(default=0, init=False)
     _steps: int = field(default=0, init=False)
+    _since_draft: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_backoff <= self.max_backoff:
@@ -31,14 +48,19 @@ class SpeculationGate:
                 f"need 1 <= min_backoff <= max_backoff, got {self.min_backoff} and {self.max_backoff}"
             )
 
-    def should_draft(self) -> bool:
-        """Called once at the start of every decode step: True to draft (speculate or probe), else skip."""
+    def should_draft(self, ceiling: Callable[[], float] | None = None) -> bool:
+        """Called once at the start of every decode step: True to draft (speculate or probe), else skip.
+        ceiling: returns an upper bound on this step's speculative speedup (module docstring), called only
+        when the backoff would draft; None: no bound known."""
         self._steps += 1
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
-            self._skipped += 1
-            return False
-        return True
+        elif ceiling is None or self._since_draft >= self.max_backoff or ceiling() > 1.0:
+            self._since_draft = 0
+            return True
+        self._skipped += 1
+        self._since_draft += 1
+        return False
 
     def record(self, speculative_speedup: float) -> None:
         """After a drafted step's plan: the estimated speedup of its best speculative plan."""
@@ -57,3 +79,31 @@ class SpeculationGate:
     def skipped_share(self) -> float:
         """Share of decode steps so far that skipped the drafter."""
         return self._skipped / self._steps if self._steps else 0.0
+
+
+def speculation_ceiling(
+    full_accept: float, contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
+) -> float:
+    """The highest estimated speedup a speculative plan of this batch can reach if its text is like the last
+    drafted step's: Â(N) · L_AR / Ĉ(1).
+
+    full_accept: the mean over the last drafted step's requests of their whole tree's Â (calibrated and
+    corrected; Â(n) grows with n, so no plan exceeds it); contexts: [B] cached tokens per request now;
+    costs: this step's StepCosts (T_draft priced at this batch size). Ĉ(1) is the cycle of the cheapest
+    speculative pass, one node per request (width 2), which bounds every speculative plan's cycle from below.
+    """
+    if not contexts:
+        raise ValueError("speculation_ceiling needs a batch of at least one request")
+    batch = len(contexts)
+    cycle = costs.cycle_seconds(latency.predict_batch([2] * batch, list(contexts)), 2 * batch)
+    return full_accept * costs.l_ar / float(cycle)
+
+
+def full_tree_accept(log_scores: torch.Tensor, accept_scale: Sequence[float]) -> float:
+    """Mean over the batch of each request's whole-tree Â = 1 + c_i · Σ_j ρ_ij, the `full_accept` of
+    `speculation_ceiling`. log_scores: [B, N] best-first log ρ (any device; one host copy of [B]);
+    accept_scale: [B] online acceptance corrections c_i."""
+    drafted = torch.exp(log_scores.detach().to(torch.float64)).sum(dim=1).cpu().tolist()
+    if len(drafted) != len(accept_scale) or not drafted:
+        raise ValueError(f"need one correction per request, got {len(accept_scale)} for {len(drafted)}")
+    return sum(1.0 + c * d for c, d in zip(accept_scale, drafted, strict=True)) / len(drafted)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from bastion_sglang.controller.gate import SpeculationGate
+from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
+from bastion_sglang.controller.gate import SpeculationGate, full_tree_accept, speculation_ceiling
+from bastion_sglang.controller.latency import LatencyFit, LatencyModel
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 
 
 def drafted_steps(gate: SpeculationGate, speedup: float, steps: int) -> list[bool]:
@@ -60,3 +65,79 @@ def test_a_paying_probe_resumes_speculation() -> None:
 def test_bad_backoff_is_refused() -> None:
     with pytest.raises(ValueError, match="min_backoff <= max_backoff"):
         SpeculationGate(min_backoff=4, max_backoff=2)
+
+
+class Ceiling:
+    """A ceiling that counts how often the gate asked for it."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.value
+
+
+def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
+    gate = SpeculationGate(min_backoff=1, max_backoff=8)
+    assert gate.should_draft()  # no drafted step yet: no ceiling known
+    gate.record(0.6)  # the plan did not pay: back off 1 step
+    low = Ceiling(0.5)
+    drafted = [gate.should_draft(low) for _ in range(12)]
+    # skip 1 (the backoff: the ceiling is not asked), then the ceiling vetoes the probes the backoff would
+    # run, until 8 steps passed without drafting: a refresh probe, asked nothing
+    assert drafted == [False] * 8 + [True] + [False] * 3
+    assert low.calls == 7 + 3
+
+
+def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
+    gate = SpeculationGate(min_backoff=1, max_backoff=4)
+    high = Ceiling(1.2)
+    drafted = []
+    for _ in range(13):
+        draft = gate.should_draft(high)
+        drafted.append(draft)
+        if draft:
+            gate.record(0.8)
+    assert drafted[:13] == [
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+
+
+def test_the_ceiling_bounds_every_plan_of_the_same_trees() -> None:
+    """Ŝ of the best speculative plan never exceeds the ceiling built from the same trees, for every policy
+    and batch size (Â(n) <= Â(N) and Ĉ(n) >= Ĉ(1))."""
+    fit = LatencyFit(beta_fixed=4e-3, alpha_gemm=1.4, alpha_tok=0.0, alpha_attn=1.1, alpha_kv=1.5)
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")), fit=fit)
+    generator = torch.Generator().manual_seed(3)
+    for batch in (1, 4, 16):
+        logits = 3 * torch.randn(batch, 15, 256, generator=generator, dtype=torch.float64)
+        top = torch.log_softmax(logits, -1).topk(16, -1)
+        trees = build_trees(top.values, top.indices, 64)
+        contexts = [100 * (i + 1) for i in range(batch)]
+        scale = [0.5 + 0.1 * i for i in range(batch)]
+        for t_draft in (1e-3, 5e-2):
+            costs = StepCosts(t_draft=t_draft, t_aux=5e-4, l_ar=0.02, t_aux_per_token=1e-6)
+            ceiling = speculation_ceiling(full_tree_accept(trees.log_scores, scale), contexts, model, costs)
+            for policy in (AdaptivePolicy(), FixedPolicy(1), FixedPolicy(64), ChainPolicy()):
+                plan = plan_batch(trees, contexts, model, costs, policy, accept_scale=scale)
+                assert plan.speculative_speedup <= ceiling * (1 + 1e-12), (batch, t_draft, policy)
+
+
+def test_full_tree_accept_is_the_mean_corrected_sum() -> None:
+    log_scores = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.1]], dtype=torch.float64))
+    assert full_tree_accept(log_scores, [1.0, 2.0]) == pytest.approx(((1 + 0.75) + (1 + 2 * 0.2)) / 2)
+    with pytest.raises(ValueError, match="one correction per request"):
+        full_tree_accept(log_scores, [1.0])
