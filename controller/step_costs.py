@@ -12,9 +12,10 @@ pair), so it is a line in B as well, and the planner prices the batch it plans.
 request) over B, by exponentially weighted least squares on recent drafted steps, the slope kept >= 0 (a
 negative slope, which noise can produce when x barely varies, falls back to slope 0 and the weighted mean).
 A prior (a profile's measured costs, T_draft measured at B = 1) enters the sums as `prior_weight`
-pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at B = 1) that decay like measured ones: with the
-server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a few dozen steps,
-and a tiny ema_alpha keeps the profile. One drafted step at another batch size fixes the draft line's slope.
+pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at PRIOR_BATCHES) that decay like measured
+ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a
+few dozen steps (one drafted step at another batch size sets the draft line's slope), and a tiny ema_alpha
+keeps the profile.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from bastion_sglang.controller.profile import StepCosts
 
 PRIOR_TOKENS = 64
 """Token count of the prior's second aux pseudo-step (the first is at 1 token): two points fix its line."""
+PRIOR_BATCHES = (1, 2)
+"""Batch sizes of the draft prior's two pseudo-steps, both at the profile's T_draft (measured at B = 1): a
+flat line whose hold on the slope grows with `prior_weight`. A heavy prior (a tiny ema_alpha) keeps the
+profile's T_draft at every batch size; with the default weight the first drafted step at another batch size
+sets the slope (80 ms at B = 8 over an 18 ms prior gives 76 ms)."""
 
 
 @dataclass
@@ -90,7 +96,8 @@ class StepCostTracker:
         if prior is not None:
             for tokens in (1, PRIOR_TOKENS):
                 self._aux.add(prior_weight / 2, tokens, prior.t_aux + prior.t_aux_per_token * tokens)
-            self._draft.add(prior_weight, 1, prior.t_draft)
+            for batch in PRIOR_BATCHES:
+                self._draft.add(prior_weight / 2, batch, prior.t_draft)
 
     @property
     def steps(self) -> int:
