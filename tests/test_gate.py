@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -12,11 +14,13 @@ from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 
 
-def drafted_steps(gate: SpeculationGate, speedup: float, steps: int) -> list[bool]:
+def drafted_steps(
+    gate: SpeculationGate, speedup: float, steps: int, ceiling: Callable[[], float] | None = None
+) -> list[bool]:
     """Run `steps` decode steps whose drafted plans all estimate `speedup`; which steps drafted."""
     drafted = []
     for _ in range(steps):
-        draft = gate.should_draft()
+        draft = gate.should_draft(ceiling)
         drafted.append(draft)
         if draft:
             gate.record(speedup)
@@ -91,29 +95,11 @@ def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
 
 
 def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
-    gate = SpeculationGate(min_backoff=1, max_backoff=4)
     high = Ceiling(1.2)
-    drafted = []
-    for _ in range(13):
-        draft = gate.should_draft(high)
-        drafted.append(draft)
-        if draft:
-            gate.record(0.8)
-    assert drafted[:13] == [
-        True,
-        False,
-        True,
-        False,
-        False,
-        True,
-        False,
-        False,
-        False,
-        False,
-        True,
-        False,
-        False,
-    ]
+    with_ceiling = drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13, high)
+    assert with_ceiling == drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13)
+    # asked before the drafts at steps 1, 3 and 6; step 11 is a refresh (4 steps without drafting): not asked
+    assert high.calls == 3
 
 
 def test_the_ceiling_bounds_every_plan_of_the_same_trees() -> None:
