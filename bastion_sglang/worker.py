@@ -60,7 +60,7 @@ from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
-from bastion_sglang.controller.gate import SpeculationGate, full_tree_accept, speculation_ceiling
+from bastion_sglang.controller.gate import SpeculationGate, speculation_ceiling
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
@@ -429,7 +429,7 @@ class BastionWorker(DFlashWorkerV2):
                     allow_plain=not self._gate.skipping,
                 )
                 self._gate.record(plan.speculative_speedup)
-                self._full_accept = full_tree_accept(trees.log_scores, scales)
+                self._full_accept = plan.full_accept
             width = plan.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)

@@ -23,8 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
     from bastion_sglang.controller.profile import StepCosts
@@ -87,23 +85,14 @@ def speculation_ceiling(
     """The highest estimated speedup a speculative plan of this batch can reach if its text is like the last
     drafted step's: Â(N) · L_AR / Ĉ(1).
 
-    full_accept: the mean over the last drafted step's requests of their whole tree's Â (calibrated and
-    corrected; Â(n) grows with n, so no plan exceeds it); contexts: [B] cached tokens per request now;
-    costs: this step's StepCosts (T_draft priced at this batch size). Ĉ(1) is the cycle of the cheapest
-    speculative pass, one node per request (width 2), which bounds every speculative plan's cycle from below.
+    full_accept: `BatchPlan.full_accept` of the last drafted step, the mean over its requests of their whole
+    tree's Â (calibrated and corrected; Â(n) grows with n, so no plan exceeds it); contexts: [B] cached
+    tokens per request now; costs: this step's StepCosts (T_draft priced at this batch size). Ĉ(1) is the
+    cycle of the cheapest speculative pass, one node per request (width 2), which bounds every speculative
+    plan's cycle from below.
     """
     if not contexts:
         raise ValueError("speculation_ceiling needs a batch of at least one request")
     batch = len(contexts)
     cycle = costs.cycle_seconds(latency.predict_batch([2] * batch, list(contexts)), 2 * batch)
     return full_accept * costs.l_ar / float(cycle)
-
-
-def full_tree_accept(log_scores: torch.Tensor, accept_scale: Sequence[float]) -> float:
-    """Mean over the batch of each request's whole-tree Â = 1 + c_i · Σ_j ρ_ij, the `full_accept` of
-    `speculation_ceiling`. log_scores: [B, N] best-first log ρ (any device; one host copy of [B]);
-    accept_scale: [B] online acceptance corrections c_i."""
-    drafted = torch.exp(log_scores.detach().to(torch.float64)).sum(dim=1).cpu().tolist()
-    if len(drafted) != len(accept_scale) or not drafted:
-        raise ValueError(f"need one correction per request, got {len(accept_scale)} for {len(drafted)}")
-    return sum(1.0 + c * d for c, d in zip(accept_scale, drafted, strict=True)) / len(drafted)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
-from bastion_sglang.controller.gate import SpeculationGate, full_tree_accept, speculation_ceiling
+from bastion_sglang.controller.gate import SpeculationGate, speculation_ceiling
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
@@ -116,14 +116,27 @@ def test_the_ceiling_bounds_every_plan_of_the_same_trees() -> None:
         scale = [0.5 + 0.1 * i for i in range(batch)]
         for t_draft in (1e-3, 5e-2):
             costs = StepCosts(t_draft=t_draft, t_aux=5e-4, l_ar=0.02, t_aux_per_token=1e-6)
-            ceiling = speculation_ceiling(full_tree_accept(trees.log_scores, scale), contexts, model, costs)
-            for policy in (AdaptivePolicy(), FixedPolicy(1), FixedPolicy(64), ChainPolicy()):
-                plan = plan_batch(trees, contexts, model, costs, policy, accept_scale=scale)
-                assert plan.speculative_speedup <= ceiling * (1 + 1e-12), (batch, t_draft, policy)
+            plans = [
+                plan_batch(trees, contexts, model, costs, policy, accept_scale=scale)
+                for policy in (AdaptivePolicy(), FixedPolicy(1), FixedPolicy(64), ChainPolicy())
+            ]
+            ceiling = speculation_ceiling(plans[0].full_accept, contexts, model, costs)
+            for plan in plans:
+                assert plan.full_accept == plans[0].full_accept  # the whole tree, whatever the policy
+                assert plan.speculative_speedup <= ceiling * (1 + 1e-12), (batch, t_draft, plan)
 
 
-def test_full_tree_accept_is_the_mean_corrected_sum() -> None:
-    log_scores = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.1]], dtype=torch.float64))
-    assert full_tree_accept(log_scores, [1.0, 2.0]) == pytest.approx(((1 + 0.75) + (1 + 2 * 0.2)) / 2)
-    with pytest.raises(ValueError, match="one correction per request"):
-        full_tree_accept(log_scores, [1.0])
+def test_the_plan_reports_the_mean_corrected_whole_tree_accept() -> None:
+    """full_accept = mean_i (1 + c_i · Σ_j ρ_ij) over all N nodes, also when the policy declines."""
+    logprobs = torch.log(torch.tensor([[[0.5, 0.25]], [[0.1, 0.1]]], dtype=torch.float64))
+    trees = build_trees(logprobs, torch.tensor([[[1, 2]], [[1, 2]]]), 2)
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    expected = ((1 + 0.75) + (1 + 2 * 0.2)) / 2
+    cheap = StepCosts(t_draft=1e-4, t_aux=0.0, l_ar=0.02)
+    speculating = plan_batch(trees, [10, 10], model, cheap, FixedPolicy(1), accept_scale=[1.0, 2.0])
+    assert speculating.speculates and speculating.full_accept == pytest.approx(expected)
+    costly = StepCosts(t_draft=10.0, t_aux=0.0, l_ar=0.02)
+    declined = plan_batch(
+        trees, [10, 10], model, costly, AdaptivePolicy(), accept_scale=[1.0, 2.0], allow_plain=True
+    )
+    assert not declined.speculates and declined.full_accept == pytest.approx(expected)
