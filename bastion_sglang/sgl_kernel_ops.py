@@ -59,6 +59,13 @@ def _rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def _add_then_normalise(input: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    """In place: residual += input (float32 sum), then input = rms-normalised residual * scale [hidden]."""
+    summed = input.float() + residual.float()
+    residual.copy_(summed)
+    input.copy_(_rms_normalised(summed, eps) * scale)
+
+
 def rmsnorm(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -78,9 +85,7 @@ def fused_add_rmsnorm(
     enable_pdl: bool | None = None,
 ) -> None:
     """In place: residual += input, then input = rmsnorm(residual) * weight. Both [tokens, hidden]."""
-    summed = input.float() + residual.float()
-    residual.copy_(summed)
-    input.copy_(_rms_normalised(summed, eps) * weight.float())
+    _add_then_normalise(input, residual, weight.float(), eps)
 
 
 def gemma_rmsnorm(
@@ -102,9 +107,7 @@ def gemma_fused_add_rmsnorm(
     enable_pdl: bool | None = None,
 ) -> None:
     """In place: residual += input, then input = gemma_rmsnorm(residual). Both [tokens, hidden]."""
-    summed = input.float() + residual.float()
-    residual.copy_(summed)
-    input.copy_(_rms_normalised(summed, eps) * (1.0 + weight.float()))
+    _add_then_normalise(input, residual, 1.0 + weight.float(), eps)
 
 
 def _per_row(value: torch.Tensor | float | int, probs: torch.Tensor) -> torch.Tensor:
