@@ -183,16 +183,11 @@ def check_accepted_kv_moves(
     accept_index: torch.Tensor, accept_length: torch.Tensor, tree_base: torch.Tensor
 ) -> None:
     """accept_index [B, W] int64, W >= 1; accept_length [B] int64; tree_base [B] int64; one device."""
-    _require_tensor("accept_index", accept_index)
-    _require_int64("accept_index", accept_index, "[B, W]", 2)
-    if accept_index.shape[1] == 0:
-        raise ValueError("accept_index must have width W >= 1 (slot 0 is the root)")
-    batch = accept_index.shape[0]
-    for name, tensor in (("accept_length", accept_length), ("tree_base", tree_base)):
-        _require_tensor(name, tensor)
-        _require_int64(name, tensor, "[B]", 1)
-        _require_shape(name, tensor, (batch,), "[B]")
-        _require_device(name, tensor, accept_index.device)
+    check_compaction_order(accept_index, accept_length)
+    _require_tensor("tree_base", tree_base)
+    _require_int64("tree_base", tree_base, "[B]", 1)
+    _require_shape("tree_base", tree_base, (accept_index.shape[0],), "[B]")
+    _require_device("tree_base", tree_base, accept_index.device)
 
 
 def check_compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> None:
@@ -221,6 +216,7 @@ def check_committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: Ac
     _require_tensor("accept.bonus_tokens", accept.bonus_tokens)
     _require_int64("accept.bonus_tokens", accept.bonus_tokens, "[B]", 1)
     _require_shape("accept.bonus_tokens", accept.bonus_tokens, (tokens.shape[0],), "[B]")
+    _require_device("accept.bonus_tokens", accept.bonus_tokens, tokens.device)
 
 
 def check_apply_kv_moves(cache: torch.Tensor, moves: KvMoves) -> None:
