@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from calibration_profiles import QWEN3_8B
+from planner_reference import brute_speedup
 
 from bastion_sglang.controller import (
     AdaptivePolicy,
@@ -56,17 +57,6 @@ def contexts_for(batch: int, seed: int) -> list[int]:
     return torch.randint(0, 5000, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def scalar_speedup(
-    trees, counts: list[int], contexts: list[int], model: LatencyModel, scale: list[float] | None = None
-) -> float:
-    """Σ_i Â_i · L_AR / (B · Ĉ) with one `predict_batch` call (what the planner did per candidate before)."""
-    gains = torch.exp(trees.log_scores)
-    factors = scale if scale is not None else [1.0] * len(counts)
-    accept = sum(1.0 + factors[i] * float(gains[i, :n].sum()) for i, n in enumerate(counts))
-    verify = model.predict_batch([n + 1 for n in counts], contexts)
-    return accept * COSTS.l_ar / (len(counts) * COSTS.cycle_seconds(verify, sum(n + 1 for n in counts)))
-
-
 @pytest.mark.parametrize("name", list(models()))
 def test_predict_passes_is_predict_batch_bit_for_bit(name: str) -> None:
     model = models()[name]
@@ -112,7 +102,7 @@ def test_common_adaptive_is_the_first_drop_of_one_call_per_width(name: str, batc
         trees = batch_trees(batch, 256, seed, sharpness=[1.0, 3.0, 8.0][seed])
         contexts = contexts_for(batch, seed)
         plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy())
-        brute = [scalar_speedup(trees, [n] * batch, contexts, model) for n in range(1, 257)]
+        brute = [brute_speedup(trees, [n] * batch, contexts, model, COSTS) for n in range(1, 257)]
         n = first_drop(np.array(brute)) + 1
         assert plan.node_counts == (n,) * batch and plan.width == n + 1, (seed, name)
         assert plan.estimated_speedup == pytest.approx(brute[n - 1], rel=1e-13)
@@ -125,10 +115,10 @@ def greedy_reference(trees, contexts: list[int], model: LatencyModel, scale: lis
     gains = torch.exp(trees.log_scores) * torch.tensor(scale, dtype=torch.float64)[:, None]
     order = torch.argsort(gains.reshape(-1), descending=True, stable=True).tolist()
     counts = [0] * batch
-    best = scalar_speedup(trees, counts, contexts, model, scale)
+    best = brute_speedup(trees, counts, contexts, model, COSTS, scale)
     for flat in order:
         counts[flat // available] += 1
-        value = scalar_speedup(trees, counts, contexts, model, scale)
+        value = brute_speedup(trees, counts, contexts, model, COSTS, scale)
         if value < best:
             counts[flat // available] -= 1
             break
@@ -146,7 +136,7 @@ def test_ragged_walk_matches_one_call_per_step(name: str, seed: int) -> None:
     plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=False, accept_scale=scale)
     want = greedy_reference(trees, contexts, model, scale)
     assert list(plan.node_counts) == want
-    assert plan.estimated_speedup == pytest.approx(scalar_speedup(trees, want, contexts, model, scale))
+    assert plan.estimated_speedup == pytest.approx(brute_speedup(trees, want, contexts, model, COSTS, scale))
     assert plan.estimated_verify_seconds == model.predict_batch([n + 1 for n in want], contexts)
 
 

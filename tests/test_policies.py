@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from planner_reference import brute_speedup
 
 from bastion_sglang.controller import (
     AdaptivePolicy,
@@ -142,17 +143,6 @@ def batch_trees(batch: int, budget: int, seed: int):
     return build_trees(top.values, top.indices, budget)
 
 
-def batch_objective(
-    trees, counts: list[int], contexts: list[int], model: LatencyModel, scale: list[float] | None = None
-) -> float:
-    """Σ_i Â_i · L_AR / (B · Ĉ), Â_i = 1 + c_i Σ ρ (independent of the policy code)."""
-    gains = torch.exp(trees.log_scores)
-    factors = scale if scale is not None else [1.0] * len(counts)
-    accept = sum(1.0 + factors[i] * float(gains[i, :n].sum()) for i, n in enumerate(counts))
-    verify = model.predict_batch([n + 1 for n in counts], contexts)
-    return accept * COSTS.l_ar / (len(counts) * (COSTS.t_draft + COSTS.t_aux + verify))
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_plan_batch_accept_scale_is_the_best_width_for_the_scaled_accept(seed: int) -> None:
     trees = batch_trees(3, 128, seed)
@@ -160,7 +150,7 @@ def test_plan_batch_accept_scale_is_the_best_width_for_the_scaled_accept(seed: i
     scale = [0.5, 1.0, 2.0]
     model = latency()
     plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), accept_scale=scale)
-    brute = [batch_objective(trees, [n] * 3, contexts, model, scale) for n in range(1, 129)]
+    brute = [brute_speedup(trees, [n] * 3, contexts, model, COSTS, scale) for n in range(1, 129)]
     assert plan.estimated_speedup == pytest.approx(max(brute), rel=1e-12)
     n = plan.node_counts[0]
     gains = torch.exp(trees.log_scores)
@@ -182,7 +172,7 @@ def test_plan_batch_common_width_is_the_best_common_width(seed: int) -> None:
     plan = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), common_width=True)
     assert len(set(plan.node_counts)) == 1
     assert plan.width == plan.node_counts[0] + 1
-    brute = [batch_objective(trees, [n] * 4, contexts, model) for n in range(1, 257)]
+    brute = [brute_speedup(trees, [n] * 4, contexts, model, COSTS) for n in range(1, 257)]
     assert plan.estimated_speedup == pytest.approx(max(brute), rel=1e-12)
     assert plan.estimated_verify_seconds == pytest.approx(model.predict_batch([plan.width] * 4, contexts))
 
@@ -195,7 +185,7 @@ def test_plan_batch_fixed_chain_bucketed() -> None:
     assert plan_batch(trees, contexts, model, COSTS, ChainPolicy()).width == 65
     bucketed = plan_batch(trees, contexts, model, COSTS, BucketedAdaptivePolicy(BUCKETS[1:]))
     candidates = sorted({min(w - 1, 64) for w in BUCKETS[1:]})
-    brute = {n: batch_objective(trees, [n] * 3, contexts, model) for n in candidates}
+    brute = {n: brute_speedup(trees, [n] * 3, contexts, model, COSTS) for n in candidates}
     assert bucketed.estimated_speedup == pytest.approx(max(brute.values()), rel=1e-12)
 
 
@@ -212,7 +202,7 @@ def test_plan_batch_ragged_hands_out_nodes_by_score() -> None:
     best_next = max(range(3), key=lambda i: float(trees.log_scores[i, plan.node_counts[i]]))
     more = list(plan.node_counts)
     more[best_next] += 1
-    assert batch_objective(trees, more, contexts, model) < plan.estimated_speedup
+    assert brute_speedup(trees, more, contexts, model, COSTS) < plan.estimated_speedup
 
 
 def mixed_trees(budget: int):
@@ -235,7 +225,7 @@ def test_ragged_plan_gives_a_hopeless_request_no_node_while_another_speculates()
     assert ragged.expected_accept[0] > 8.0 and ragged.expected_accept[1] == 1.0
     # every other allocation that moves a node between the rows is worse
     for counts in ([ragged.node_counts[0] - 1, 1], [ragged.node_counts[0] + 1, 0]):
-        assert batch_objective(trees, counts, contexts, model) < ragged.estimated_speedup
+        assert brute_speedup(trees, counts, contexts, model, COSTS) < ragged.estimated_speedup
     # with one padded width (SGLang's verify) both rows get the same n: nodes up to the width are free
     common = plan_batch(trees, contexts, model, COSTS, AdaptivePolicy(), allow_plain=True)
     assert common.node_counts[0] == common.node_counts[1] > 0
@@ -253,7 +243,7 @@ def test_brute_force_helpers_agree_on_tiny_case() -> None:
     model = latency()
     plan = plan_batch(trees, [32, 32], model, COSTS, AdaptivePolicy())
     best = max(
-        (batch_objective(trees, [a, b], [32, 32], model), a)
+        (brute_speedup(trees, [a, b], [32, 32], model, COSTS), a)
         for a, b in itertools.product(range(1, 7), repeat=2)
         if a == b
     )
