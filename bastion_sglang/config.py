@@ -55,7 +55,7 @@ class BastionConfig:
     width_buckets: verify widths (tokens per request, root included), sorted, unique, each in
         [2, N_max + 1]; the bucketed policy's candidates and the CUDA-graph widths.
     topk: K, candidates per draft position, 1 <= K <= N_max (a chain policy uses 1 whatever K is).
-    draft_proposer: "module:callable" of a `worker.DraftProposer` factory called once with
+    draft_proposer: "module:callable" of a `draft_protocols.DraftLogitsRewriter` factory called once with
         `draft_proposer_arg` in the scheduler process; it may rewrite the drafter's logits each step
         (the seam tests use for an oracle drafter). None: the drafter's logits as they are.
     """

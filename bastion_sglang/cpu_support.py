@@ -124,41 +124,21 @@ def install_vllm_placeholder() -> None:
 
 def install_bastion_stand_ins() -> None:
     """Register the torch stand-ins with SGLang's HookRegistry and apply them (idempotent)."""
-    from sglang.srt.arg_groups.choices import (
-        DRAFT_ATTENTION_BACKEND_CHOICES,
-        add_draft_attention_backend_choices,
-    )
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from bastion_sglang import sglang_adapter as sgl
 
-    if CPU_BACKEND not in DRAFT_ATTENTION_BACKEND_CHOICES:
-        add_draft_attention_backend_choices([CPU_BACKEND])
-    hooks: tuple[tuple[str, Callable[..., Any], HookType], ...] = (
-        (
-            "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
-            forward_extend_with_verify,
-            HookType.AROUND,
-        ),
-        (
-            "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
-            assign_req_to_token_pool_torch,
-            HookType.REPLACE,
-        ),
-        (
-            "sglang.kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func",
-            copy_all_layer_kv_cache_host,
-            HookType.REPLACE,
-        ),
-        (
-            "sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
-            extend_forward_kwargs_in_model_dtype,
-            HookType.AROUND,
-        ),
+    if CPU_BACKEND not in sgl.DRAFT_ATTENTION_BACKEND_CHOICES:
+        sgl.add_draft_attention_backend_choices([CPU_BACKEND])
+    hooks: tuple[tuple[sgl.Internal, Callable[..., Any], sgl.HookType], ...] = (
+        (sgl.TORCH_NATIVE_FORWARD_EXTEND, forward_extend_with_verify, sgl.HookType.AROUND),
+        (sgl.ASSIGN_REQ_TO_TOKEN_POOL, assign_req_to_token_pool_torch, sgl.HookType.REPLACE),
+        (sgl.COPY_ALL_LAYER_KV_CACHE, copy_all_layer_kv_cache_host, sgl.HookType.REPLACE),
+        (sgl.EXTEND_FORWARD_KWARGS, extend_forward_kwargs_in_model_dtype, sgl.HookType.AROUND),
     )
     for target, hook, kind in hooks:
-        if target not in HookRegistry._patched:
-            HookRegistry.register(target, hook, kind)
-    HookRegistry.apply_hooks()
-    missing = [target for target, _, _ in hooks if target not in HookRegistry._patched]
+        if not sgl.hook_applied(target):
+            sgl.HookRegistry.register(target.target, hook, kind)
+    sgl.HookRegistry.apply_hooks()
+    missing = [target.target for target, _, _ in hooks if not sgl.hook_applied(target)]
     if missing:
         raise RuntimeError(f"BASTION could not install its CPU stand-ins for {missing}; see the log above")
 
@@ -257,24 +237,23 @@ def verify_attention(
     see `kernels.flat_custom_mask`); else all True for non-causal layers (the DFlash drafter's block);
     else the prefix plus a lower triangle. Returns [B·n, Hq·Dv].
     """
+    from bastion_sglang import sglang_adapter as sgl
+
     if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
         raise NotImplementedError(
             f"layer {layer.layer_id} uses a sliding window, which the CPU verify path does not implement"
         )
     if save_kv_cache and k is not None and v is not None:
-        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
         backend.token_to_kv_pool.set_kv_buffer(
-            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+            layer, sgl.KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
         )
-    from sglang.srt.layers.radix_attention import AttentionType
 
     spec_info = forward_batch.spec_info
     batch = int(forward_batch.req_pool_indices.shape[0])
     per_request = int(spec_info.num_tokens_per_req) if spec_info is not None else -1
     if per_request <= 0:
         per_request = q.shape[0] // batch
-    causal = not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY)
+    causal = not (layer.is_cross_attention or layer.attn_type == sgl.AttentionType.ENCODER_ONLY)
     custom_mask = spec_info.custom_mask if spec_info is not None else None
 
     queries = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)

@@ -26,6 +26,7 @@ from numbers import Integral
 
 import torch
 
+from bastion_sglang import kernels
 from bastion_sglang.kernels import TreeBatch, VerifyLayout
 
 
@@ -139,6 +140,27 @@ def pad_verify_rows(rows: TreeBatch, layout: VerifyLayout, width: int) -> Verify
         positions=torch.cat([layout.positions, layout.positions[:, :1].expand(batch, pad)], dim=1),
         ancestor_mask=mask,
     )
+
+
+@dataclass(frozen=True)
+class VerifyPass:
+    """The layout stage's output for one verify pass: the real rows' layout, padded rows, their mask."""
+
+    layout: VerifyLayout  # of the W real positions (tree links for the grammar walk, the ancestor mask)
+    rows: VerifyRows  # [B, W_v] tokens and positions, [B, W_v, W_v] ancestor mask
+    custom_mask: torch.Tensor  # [Σ_b W_v·(L_b + W_v)] bool: rows.ancestor_mask flattened for SGLang
+
+
+def padded_verify_pass(rows: TreeBatch, prefix: torch.Tensor, width: int, seq_lens_sum: int) -> VerifyPass:
+    """Layout, padding and flat mask of the verify rows in one call: `kernels.build_verify_layout`, then
+    `pad_verify_rows` to `width` = W_v >= W, then `kernels.flat_custom_mask`.
+
+    rows: [B, W] real verify rows; prefix: [B] int64 committed lengths L_b; seq_lens_sum: Σ_b L_b (host).
+    """
+    layout = kernels.build_verify_layout(rows, prefix)
+    padded = pad_verify_rows(rows, layout, width)
+    mask = kernels.flat_custom_mask(padded.ancestor_mask, prefix, seq_lens_sum=seq_lens_sum)
+    return VerifyPass(layout, padded, mask)
 
 
 def real_rows(values: torch.Tensor, batch_size: int, width: int) -> torch.Tensor:

@@ -37,13 +37,19 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-from sglang.srt.runtime_context import get_context, get_spec
-from sglang.srt.utils import get_available_gpu_memory
 
 from bastion_sglang.config import config_of
 from bastion_sglang.graph_buckets import EagerReason, VerifyShape, choose_verify_shape, validate_graph_widths
+from bastion_sglang.sglang_adapter import (
+    Backend,
+    DecodeCudaGraphRunner,
+    Phase,
+    attention_backend_of,
+    check_cuda_graph_backend,
+    get_available_gpu_memory,
+    get_context,
+    get_spec,
+)
 from bastion_sglang.spec_input import BastionVerifyInput
 
 if TYPE_CHECKING:
@@ -223,7 +229,7 @@ def _capture_width(model_runner: ModelRunner, width: int) -> BastionVerifyGraphR
     configured = int(get_spec().speculative_num_draft_tokens)
     context.override(OVERRIDE_SOURCE, speculative_num_draft_tokens=width)
     try:
-        backend = model_runner._get_attention_backend()
+        backend = attention_backend_of(model_runner)
         return BastionVerifyGraphRunner(
             model_runner, attn_backend=backend, speculative_num_draft_tokens=width
         )

@@ -2,8 +2,8 @@
 
 Stages, in order (`STAGES`): draft (drafter forward + top-k), plan (tree search + budget), verify (the
 target's TARGET_VERIFY forward), accept (accept walk + output tokens), commit (slot compaction + drafter
-KV). `StageTimer` measures them with host clocks on CPU and with CUDA events on a GPU; CUDA results are
-read one step late (`finish_step` returns the previous step's times), so timing never waits on the device.
+KV). `timing.StageTimer` measures them with host clocks on CPU and with CUDA events on a GPU; CUDA results
+are read one step late (`finish_step` returns the previous step's times), so timing never waits on the device.
 The verify stage feeds the latency model's EMA; draft and the host stages feed the planner's step costs.
 
 `BastionMetrics` (only with `--enable-metrics`, on the scheduler's stats rank) exports, with SGLang's
@@ -31,82 +31,10 @@ scheduler labels, on the same `/metrics` as SGLang:
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-STAGES = ("draft", "plan", "verify", "accept", "commit")
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """Wall seconds of each stage of one decode step."""
-
-    draft: float
-    plan: float
-    verify: float
-    accept: float
-    commit: float
-
-    @property
-    def aux(self) -> float:
-        """Host-side work outside the two forwards (BASTION's T_aux), seconds."""
-        return self.plan + self.accept + self.commit
-
-
-class StageTimer:
-    """Times the STAGES of each step on `device`: `with timer.stage("verify"): ...`, `finish_step(tag)`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._host: dict[str, float] = {}
-        self._events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
-        self._pending: tuple[Any, dict[str, tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Time the enclosed block as stage `name` (one of STAGES)."""
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}; stages: {STAGES}")
-        if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events[name] = (start, end)
-        else:
-            begin = time.perf_counter()
-            yield
-            self._host[name] = time.perf_counter() - begin
-
-    def finish_step(self, tag: Any) -> tuple[Any, StepTimes] | None:
-        """Close the step, labelled `tag`; return (tag, times) of the last step whose times are known.
-
-        CPU: this step. CUDA: the previous step (None after the first); its end events completed a step
-        ago, so reading them does not stall the device.
-        """
-        if not self._cuda:
-            times = StepTimes(**{name: self._host.get(name, 0.0) for name in STAGES})
-            self._host = {}
-            return tag, times
-        previous, self._pending, self._events = self._pending, (tag, self._events), {}
-        if previous is None:
-            return None
-        done_tag, done = previous
-        seconds = {}
-        for name in STAGES:
-            if name in done:
-                start, end = done[name]
-                end.synchronize()  # recorded a full step ago: already complete
-                seconds[name] = start.elapsed_time(end) / 1000.0
-            else:
-                seconds[name] = 0.0
-        return done_tag, StepTimes(**seconds)
-
+from bastion_sglang.timing import STAGES, StageTimes
 
 STEP_MODES = ("speculative", "declined", "skipped")
 """Modes of a decode step (`sglang:bastion_decode_steps_total{mode=...}`)."""
@@ -167,17 +95,17 @@ class SpeedupLedger:
 
 def scheduler_metric_labels() -> dict[str, str]:
     """The labels SGLang's scheduler collector puts on its series (`SchedulerMetricsCollector.init_new`)."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_serving
+    from bastion_sglang import sglang_adapter as sgl
 
-    parallel = get_parallel()
+    parallel = sgl.get_parallel()
+    disagg = sgl.get_disagg()
     engine_type = (
         "dynamic"
-        if get_disagg().enable_pd_role_switch
-        else DisaggregationMode.to_engine_type(get_disagg().disaggregation_mode)
+        if disagg.enable_pd_role_switch
+        else sgl.DisaggregationMode.to_engine_type(disagg.disaggregation_mode)
     )
     labels = {
-        "model_name": get_serving().served_model_name,
+        "model_name": sgl.get_serving().served_model_name,
         "engine_type": engine_type,
         "tp_rank": parallel.tp_rank,
         "pp_rank": parallel.pp_rank,
@@ -185,8 +113,9 @@ def scheduler_metric_labels() -> dict[str, str]:
     }
     if parallel.dp_rank is not None:
         labels["dp_rank"] = parallel.dp_rank
-    if get_observability().extra_metric_labels:
-        labels.update(get_observability().extra_metric_labels)
+    extra = sgl.get_observability().extra_metric_labels
+    if extra:
+        labels.update(extra)
     return {key: str(value) for key, value in labels.items()}
 
 
@@ -327,7 +256,7 @@ class BastionMetrics:
             error = abs(estimated_seconds - observed_seconds) / observed_seconds
             self.verify_relative_error.labels(**self._labels).observe(error)
 
-    def observe_stages(self, times: StepTimes, other_seconds: float | None) -> None:
+    def observe_stages(self, times: StageTimes, other_seconds: float | None) -> None:
         """One decode step's stage seconds; other_seconds: None when no decode step came just before."""
         for name in STAGES:
             self.stage_seconds.labels(**self._labels, stage=name).observe(getattr(times, name))

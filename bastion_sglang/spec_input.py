@@ -17,16 +17,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
-from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from bastion_sglang.sglang_adapter import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    SpecInput,
+    SpecInputType,
+    alloc_for_spec_decode,
+    page_aligned_decode_alloc_lens,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind, KVLocPlan
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
 @dataclass
@@ -129,9 +135,10 @@ class BastionVerifyInput(SpecInput):
         self.num_tokens_for_logprob_per_req = int(self.draft_token_num)
 
     def prepare_for_verify(
-        self, batch: ScheduleBatch, target_worker: TpModelWorker
+        self, batch: ScheduleBatch, model_runner: ModelRunner
     ) -> tuple[ForwardBatch, bool]:
-        """Turn `batch` into the verify ForwardBatch and plan its attention (CUDA graph or eager).
+        """Turn `batch` into the verify ForwardBatch of the target's `model_runner` and plan its attention
+        (CUDA graph or eager).
 
         The caller has set batch.out_cache_loc to the W slots per request. Returns (forward batch,
         whether a captured CUDA graph runs it).
@@ -141,16 +148,16 @@ class BastionVerifyInput(SpecInput):
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         forward_batch = ForwardBatch.init_new(
             batch,
-            target_worker.model_runner,
+            model_runner,
             capture_hidden_mode=self.capture_hidden_mode,
             return_hidden_states_before_norm=False,
         )
-        runner = target_worker.model_runner.decode_cuda_graph_runner
+        runner = model_runner.decode_cuda_graph_runner
         can_run_cuda_graph = bool(runner and runner.can_run_graph(forward_batch))
         if can_run_cuda_graph:
             runner.load_batch(forward_batch)
         else:
-            target_worker.model_runner.attn_backend.init_forward_metadata(forward_batch)
+            model_runner.attn_backend.init_forward_metadata(forward_batch)
         forward_batch.mark_forward_metadata_ready()
         return forward_batch, can_run_cuda_graph
 
@@ -193,3 +200,39 @@ class BastionVerifyInput(SpecInput):
             kind=kind,
         )
         return kv_indices, kv_indptr, qo_indptr, self.custom_mask
+
+
+def prepare_verify_forward(
+    batch: ScheduleBatch,
+    model_runner: ModelRunner,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    custom_mask: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_cpu: torch.Tensor,
+) -> tuple[ForwardBatch, bool]:
+    """The target's TARGET_VERIFY ForwardBatch over W tokens per request, attention planned; the forward
+    itself is the caller's (the worker's scheduler path, or calibration's bare model runner).
+
+    tokens, positions: [B, W] int64 (verify rows, column 0 = root); custom_mask: the flat ancestor mask
+    (`kernels.flat_custom_mask`); slots: [B, W] int64 KV slots the pass writes; prefix_cpu: [B] int64 host
+    copy of the committed lengths. Sets batch.out_cache_loc, input_ids, spec_info and forward_mode. While the
+    attention is planned, batch.seq_lens_cpu / seq_lens_sum bound what the pass attends to (prefix + W, as
+    SGLang's backends size their metadata from them); they are restored before it returns. Returns
+    (forward batch, whether a captured CUDA graph runs it).
+    """
+    width = int(tokens.shape[1])
+    verify_input = BastionVerifyInput(
+        draft_token=tokens.reshape(-1),
+        positions=positions.reshape(-1),
+        draft_token_num=width,
+        custom_mask=custom_mask,
+    )
+    batch.out_cache_loc = slots.reshape(-1)
+    saved = batch.seq_lens_cpu, batch.seq_lens_sum
+    batch.seq_lens_cpu = prefix_cpu + width  # host bound: prefix plus this pass's tokens
+    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    try:
+        return verify_input.prepare_for_verify(batch, model_runner)
+    finally:
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved

@@ -25,29 +25,16 @@ fills the drafter KV from the prompt) is inherited from SGLang's `DFlashWorkerV2
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-from sglang.srt.layers.logprob_processor import compute_spec_logprobs
-from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import (
-    CaptureHiddenMode,
-    ForwardBatch,
-    ForwardMode,
-    enable_num_token_non_padded,
-)
-from sglang.srt.runtime_context import get_exec, get_observability, get_parallel, get_schedule, get_spec
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
-from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 
 from bastion_sglang import kernels
+from bastion_sglang import sglang_adapter as sgl
 from bastion_sglang.calibration.identity import RuntimeIdentity, model_config_hash
 from bastion_sglang.calibration.lookup import (
     ResolvedProfile,
@@ -66,22 +53,46 @@ from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.controller.step_costs import StepCostTracker
-from bastion_sglang.graph_buckets import VerifyRows, VerifyShape, pad_verify_rows, planning_widths, real_rows
+from bastion_sglang.draft_protocols import load_draft_logits_rewriter
+from bastion_sglang.graph_buckets import (
+    VerifyPass,
+    VerifyShape,
+    padded_verify_pass,
+    planning_widths,
+    real_rows,
+)
 from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
 from bastion_sglang.metrics import (
     BastionMetrics,
     SpeedupLedger,
-    StageTimer,
-    StepTimes,
     scheduler_metric_labels,
 )
 from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
-from bastion_sglang.spec_input import BastionDraftInput, BastionVerifyInput
+from bastion_sglang.sglang_adapter import (
+    CaptureHiddenMode,
+    DFlashWorkerV2,
+    ForwardBatch,
+    ForwardMode,
+    GenerationBatchResult,
+    GrammarTree,
+    SpeculativeAlgorithm,
+    build_grammar_vocab_mask,
+    compute_spec_logprobs,
+    draft_tp_context,
+    enable_num_token_non_padded,
+    get_exec,
+    get_observability,
+    get_parallel,
+    get_schedule,
+    get_spec,
+    target_sampling_probs,
+)
+from bastion_sglang.spec_input import BastionDraftInput, prepare_verify_forward
+from bastion_sglang.timing import StageTimer, TimedStep
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -114,22 +125,6 @@ class StepRecord:
     estimated_verify_seconds: float  # the plan's prediction for the verify pass
     other_seconds: float | None  # host seconds since the previous decode step ended (None: none just before)
     drafted: bool  # whether the drafter ran
-
-
-class DraftProposer(Protocol):
-    """Rewrites the drafter's logits before the tree search (`BastionConfig.draft_proposer`)."""
-
-    def __call__(self, reqs: Sequence[Req], draft_logits: torch.Tensor) -> torch.Tensor:
-        """reqs: the batch's B requests; draft_logits: [B, D, V]. Returns [B, D, V] logits."""
-
-
-def load_draft_proposer(config: BastionConfig) -> DraftProposer | None:
-    """The configured DraftProposer (its factory called with `draft_proposer_arg`), or None."""
-    if config.draft_proposer is None:
-        return None
-    module_name, _, attr = config.draft_proposer.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory(config.draft_proposer_arg)
 
 
 def worker_latency_model(
@@ -228,37 +223,6 @@ def is_greedy(req: Req) -> bool:
     return params.top_k == 1 or params.temperature <= 0.0
 
 
-def target_sampling_probs(
-    logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int, sampling_backend: str
-) -> torch.Tensor:
-    """The distribution SGLang's sampler draws from after each verify position (`kernels.processed_probs`
-    with the filter rule of this batch and SGLang's `sampling_backend`).
-
-    logits: [B * W, V] float (penalties, grammar masks and biases applied). Returns [B, W, V] unnormalised
-    non-negative weights (sampling normalises).
-    """
-    rows, vocab = logits.shape
-    batch = rows // width
-
-    def per_position(values: torch.Tensor) -> torch.Tensor:
-        return torch.repeat_interleave(values.reshape(batch, -1)[:, 0], width)
-
-    rule = kernels.filter_rule(
-        sampling_backend,
-        sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling,
-        sampling_info.need_min_p_sampling,
-    )
-    probs = kernels.processed_probs(
-        logits,
-        per_position(sampling_info.temperatures),
-        per_position(sampling_info.top_ks),
-        per_position(sampling_info.top_ps),
-        per_position(sampling_info.min_ps),
-        rule,
-    )
-    return probs.view(batch, width, vocab)
-
-
 class BastionWorker(DFlashWorkerV2):
     """The spec-v2 worker behind `--speculative-algorithm BASTION` (see the module docstring).
 
@@ -276,14 +240,12 @@ class BastionWorker(DFlashWorkerV2):
         block_size = int(get_spec().speculative_dflash_block_size)  # resolved by handle_server_args
         self.block_size = block_size
         self.draft_model.set_block_size(block_size)
-        self._draft_block_spec_info = make_draft_block_spec_info(
-            draft_token_num=block_size, device=self.device
-        )
+        self._block_spec_info = sgl.install_draft_block_spec_info(self, block_size)
         self._block_offsets = torch.arange(block_size, dtype=torch.int64, device=self.device)
         max_batch = int(get_schedule().max_running_requests)
         # [max_batch, γ] int64 drafter blocks: column 0 takes each step's roots, the rest stay MASK.
         self._block_ids = torch.full(
-            (max_batch, block_size), int(self._mask_token_id), dtype=torch.int64, device=self.device
+            (max_batch, block_size), sgl.mask_token_id(self), dtype=torch.int64, device=self.device
         )
         self._width_offsets = torch.arange(
             self.config.verify_width_cap, dtype=torch.int64, device=self.device
@@ -294,7 +256,8 @@ class BastionWorker(DFlashWorkerV2):
         kernels.filter_rule(self._sampling_backend, False, False)  # refuses a backend it cannot reproduce
         self._penalty_order = sglang_penalty_order()
         self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
-        self._embed = _resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
+        self._embed = sgl.resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
+        self._noise_scale = sgl.noise_embed_scale(self)
         self._graph_widths = planned_graph_widths(torch.device(self.device), self.config.width_buckets)
         self._verify_graphs = VerifyGraphs({})  # captured in init_cuda_graphs
         dtype = self.model_runner.model_config.dtype
@@ -314,8 +277,8 @@ class BastionWorker(DFlashWorkerV2):
         self._speedups = SpeedupLedger()
         self._step_index = 0
         self._last_decode_end: float | None = None  # host clock at the end of the last decode step
-        self._proposer = load_draft_proposer(self.config)
-        self._timer = StageTimer(torch.device(self.device))
+        self._rewriter = load_draft_logits_rewriter(self.config)
+        self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
         self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
@@ -340,11 +303,8 @@ class BastionWorker(DFlashWorkerV2):
         """SGLang's DFlash drafter graphs, then a target-verify graph runner per width bucket (`graphs`)."""
         super().init_cuda_graphs()
         self._verify_graphs = capture_verify_graphs(self.target_worker.model_runner, self._graph_widths)
-        for record, value in (
-            (self._additional_graph_memory_usage, self._verify_graphs.extra_memory_gb),
-            (self._additional_graph_time_usage, self._verify_graphs.capture_seconds),
-        ):
-            record["target_verify"] = record.get("target_verify", 0.0) + value
+        graphs = self._verify_graphs
+        sgl.add_graph_usage(self, "target_verify", graphs.extra_memory_gb, graphs.capture_seconds)
 
     def _maybe_build_draft_sampler(self) -> None:
         """No in-graph greedy draft sampler: BASTION reads the drafter's hidden states for every token."""
@@ -404,8 +364,8 @@ class BastionWorker(DFlashWorkerV2):
         if drafting:
             with self._timer.stage("draft"):
                 draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
-                if self._proposer is not None:
-                    draft_logits = self._proposer(batch.reqs, draft_logits)
+                if self._rewriter is not None:
+                    draft_logits = self._rewriter(batch.reqs, draft_logits)
                 top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
             if top is None:
@@ -452,12 +412,9 @@ class BastionWorker(DFlashWorkerV2):
             plain_decode = width == 1 and not batch.has_grammar and self._runs_plain_decode()
             grammar_tree = None
             if not plain_decode:
-                layout = kernels.build_verify_layout(rows, prefix)
-                verify_rows = pad_verify_rows(rows, layout, shape.width)
-                mask = kernels.flat_custom_mask(
-                    verify_rows.ancestor_mask, prefix, seq_lens_sum=int(sum(contexts))
-                )
+                verify = padded_verify_pass(rows, prefix, shape.width, seq_lens_sum=int(sum(contexts)))
                 if batch.has_grammar:
+                    layout = verify.layout
                     grammar_tree = GrammarTree.from_device(
                         layout.first_child, layout.next_sibling, rows.tokens
                     )
@@ -465,7 +422,7 @@ class BastionWorker(DFlashWorkerV2):
             if plain_decode:
                 target_out = self._decode_plain(batch, rows.tokens[:, 0], slots[:, 0], prefix, prefix_cpu)
             else:
-                target_out = self._verify(batch, verify_rows, mask, slots, prefix_cpu, shape)
+                target_out = self._verify(batch, verify, slots, prefix_cpu, shape)
         with self._timer.stage("accept"):
             logits_output = target_out.logits_output
             # [B * W, V] of the real positions; contiguous so the in-place adjustments below land in the
@@ -478,7 +435,7 @@ class BastionWorker(DFlashWorkerV2):
                 ancestors = (
                     torch.ones((bs, 1, 1), dtype=torch.bool, device=next_logits.device)
                     if plain_decode
-                    else layout.ancestor_mask
+                    else verify.layout.ancestor_mask
                 )
                 logits_3d = next_logits.view(bs, width, -1)
                 kernels.apply_tree_penalties(
@@ -512,9 +469,9 @@ class BastionWorker(DFlashWorkerV2):
             req_to_token[rows_index, real_window] = compacted.to(req_to_token.dtype)
             hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
             path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
-            self._append_target_hidden_to_draft_kv_by_loc(
+            sgl.append_target_hidden_to_draft_kv(
+                self,
                 target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
-                cache_loc=compacted.reshape(-1),
                 cache_loc_2d=compacted,
                 positions=real_window.reshape(-1),
                 commit_lens=commit_lens,
@@ -527,12 +484,12 @@ class BastionWorker(DFlashWorkerV2):
                 logits_output.next_token_logits = chain_logits.reshape(bs * width, -1)
                 compute_spec_logprobs(batch, logits_output, out_tokens.reshape(-1), chain_stride=width)
         record = StepRecord(
-            self._step_index,
-            [shape.width] * bs,
-            contexts,
-            plan.estimated_verify_seconds,
-            other,
-            top is not None,
+            index=self._step_index,
+            widths=[shape.width] * bs,
+            contexts=contexts,
+            estimated_verify_seconds=plan.estimated_verify_seconds,
+            other_seconds=other,
+            drafted=top is not None,
         )
         self._observe(self._timer.finish_step(record))
         self._step_index += 1
@@ -570,8 +527,8 @@ class BastionWorker(DFlashWorkerV2):
         rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
         cache_loc = self.model_runner.req_to_token_pool.req_to_token[rows_index, positions].to(torch.int64)
         embeds = self._embed(block_ids)
-        if self._noise_embed_scale != 1.0:
-            embeds = embeds * self._noise_embed_scale
+        if self._noise_scale != 1.0:
+            embeds = embeds * self._noise_scale
         seq_lens_cpu = batch.seq_lens_cpu + block  # host bound on what the block attends to
         plan = self.model_runner.kv_index_translator.plan(
             req_pool_indices=batch.req_pool_indices,
@@ -592,7 +549,7 @@ class BastionWorker(DFlashWorkerV2):
             positions=positions.reshape(-1),
             input_embeds=embeds.reshape(bs * block, -1),
             spec_algorithm=SpeculativeAlgorithm.DFLASH,
-            spec_info=self._draft_block_spec_info,
+            spec_info=self._block_spec_info,
             capture_hidden_mode=CaptureHiddenMode.NULL,
             num_token_non_padded=(
                 torch.full((), bs * block, dtype=torch.int32, device=self.device)
@@ -656,37 +613,26 @@ class BastionWorker(DFlashWorkerV2):
     def _verify(
         self,
         batch: ScheduleBatch,
-        rows: VerifyRows,
-        mask: torch.Tensor,
+        verify: VerifyPass,
         slots: torch.Tensor,
         prefix_cpu: torch.Tensor,
         shape: VerifyShape,
     ) -> GenerationBatchResult:
-        """The target's TARGET_VERIFY forward over the verify rows [B, W_v] at `slots` [B, W_v], through the
-        graph captured at W_v when `shape` says so (SGLang's `can_run_graph` has the last word)."""
-        width = rows.width
-        verify_input = BastionVerifyInput(
-            draft_token=rows.tokens.reshape(-1),
-            positions=rows.positions.reshape(-1),
-            draft_token_num=width,
-            custom_mask=mask,
-        )
-        batch.out_cache_loc = slots.reshape(-1)
-        saved = batch.seq_lens_cpu, batch.seq_lens_sum
-        batch.seq_lens_cpu = prefix_cpu + width  # host bound: prefix plus this pass's tokens
-        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        with self._verify_graphs.installed(self.target_worker.model_runner, shape):
-            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        """The target's TARGET_VERIFY forward over the padded verify rows [B, W_v] at `slots` [B, W_v],
+        through the graph captured at W_v when `shape` says so (SGLang's `can_run_graph` decides)."""
+        rows = verify.rows
+        model_runner = self.target_worker.model_runner
+        with self._verify_graphs.installed(model_runner, shape):
+            forward_batch, _ = prepare_verify_forward(
+                batch, model_runner, rows.tokens, rows.positions, verify.custom_mask, slots, prefix_cpu
+            )
             result = self.target_worker.forward_batch_generation(
                 batch=None, forward_batch=forward_batch, is_verify=True
             )
         if result.can_run_cuda_graph:
-            self._verify_graphs.note_replay(width, len(prefix_cpu))
-        processor = self._target_logits_processor
-        logits = result.logits_output.next_token_logits
-        if processor is not None and processor.is_deferred_shard(logits):
-            result.logits_output.next_token_logits = processor.finish_deferred_gather(logits)
+            self._verify_graphs.note_replay(rows.width, len(prefix_cpu))
+        logits_output = result.logits_output
+        logits_output.next_token_logits = sgl.gathered_verify_logits(self, logits_output.next_token_logits)
         return result
 
     # ---- bookkeeping -----------------------------------------------------------------------------
@@ -735,12 +681,12 @@ class BastionWorker(DFlashWorkerV2):
         if speedup is not None and self._metrics is not None:
             self._metrics.observe_realised_speedup(speedup)
 
-    def _observe(self, finished: tuple[StepRecord, StepTimes] | None) -> None:
+    def _observe(self, finished: TimedStep[StepRecord] | None) -> None:
         """Feed a finished step's measured seconds to the latency model's online correction, the step-cost
-        tracker and the metrics. finished: (the step's record, its stage times), or None."""
+        tracker and the metrics. finished: the step's record and its stage times, or None."""
         if finished is None:
             return
-        record, times = finished
+        record, times = finished.record, finished.times
         step_seconds = times.draft + times.verify + times.aux + (record.other_seconds or 0.0)
         self._report_speedup(self._speedups.timed(record.index, step_seconds))
         if self._metrics is not None:

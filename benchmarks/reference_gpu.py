@@ -56,10 +56,10 @@ from bastion_sglang.reference import (
     DFlashDrafter,
     GenerationResult,
     ReferenceEngine,
-    StageTimer,
     TargetModel,
     load_causal_lm,
 )
+from bastion_sglang.timing import StageTimer
 
 QWEN3_8B = dict(
     vocab_size=151936,

@@ -12,8 +12,8 @@ what the worker's verify stage builds, with SGLang's public pieces:
   of the grid runs eagerly; a deployment replays captured graphs at its bucket widths, which the online EMA
   absorbs);
 - context: a prefill of c random tokens through SGLang's benchmark `extend` (sglang.benchmark.one_batch);
-- verify: `BastionVerifyInput` with `kernels.flat_custom_mask`, `prepare_for_verify` (forward batch and
-  attention metadata), `ModelRunner.forward`: the worker's `_verify`, timed from the preparation on;
+- verify: `spec_input.prepare_verify_forward` with `kernels.flat_custom_mask` (forward batch and attention
+  metadata, the worker's own preparation), then `ModelRunner.forward`, timed from the preparation on;
 - decode (L_AR): a DECODE forward of one token at position c, greedy pick;
 - T_draft: the reference engine's DFlash drafter (`bastion_sglang.reference`) on the same device, reading
   the SGLang target's embedding and LM head weights; its context K/V come from random features (values do
@@ -68,6 +68,9 @@ class SglangMeasurement:
         max_context: int,
         max_width: int,
     ) -> None:
+        from bastion_sglang import sglang_adapter
+
+        sglang_adapter.require(sglang_adapter.MEASUREMENT_INTERNALS)  # one error naming all that moved
         from sglang.srt.arg_groups.overrides import resolving_view
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.distributed import bootstrap
@@ -204,28 +207,19 @@ class SglangMeasurement:
     @torch.no_grad()
     def verify(self, rows: TreeBatch, layout: VerifyLayout) -> None:
         from bastion_sglang import kernels
-        from bastion_sglang.spec_input import BastionVerifyInput
+        from bastion_sglang.spec_input import prepare_verify_forward
 
         batch = self._require_batch()
-        width = rows.width
         mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._context)
-        verify_input = BastionVerifyInput(
-            draft_token=rows.tokens.reshape(-1),
-            positions=layout.positions.reshape(-1),
-            draft_token_num=width,
-            custom_mask=mask,
+        slots = self._slots[None, : rows.width]  # [1, W]
+        forward_batch, _ = prepare_verify_forward(
+            batch, self._runner, rows.tokens, layout.positions, mask, slots, self._prefix_cpu
         )
-        batch.out_cache_loc = self._slots[:width]
-        batch.seq_lens_cpu = self._prefix_cpu + width  # host bound: prefix plus this pass's tokens
-        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        target = _RunnerHolder(self._runner)
-        forward_batch, _ = verify_input.prepare_for_verify(batch, target)
-        batch.seq_lens_cpu, batch.seq_lens_sum = self._prefix_cpu, self._context
         self._runner.forward(forward_batch)
 
     @torch.no_grad()
     def decode(self) -> None:
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+        from bastion_sglang.sglang_adapter import ForwardBatch, ForwardMode
 
         batch = self._require_batch()
         batch.forward_mode = ForwardMode.DECODE
@@ -273,10 +267,3 @@ def _drafter_on_target(
     head = nn.Linear(head_weight.shape[1], vocab, bias=False, device="meta")
     head.weight = nn.Parameter(head_weight, requires_grad=False)
     return DFlashProposer(drafter, model.get_input_embeddings(), head)
-
-
-class _RunnerHolder:
-    """What `BastionVerifyInput.prepare_for_verify` reads from a target worker: its model runner."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.model_runner = runner

@@ -16,6 +16,11 @@ pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at PRIOR_BATCHES) that 
 ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a
 few dozen steps (one drafted step at another batch size sets the draft line's slope), and a tiny ema_alpha
 keeps the profile.
+
+First-step rule, the one online cost estimate of the worker and the reference engine: every step enters the
+sums at weight 1 after they decay, so without a prior the first measured step sets both lines outright
+(its seconds, slope 0), and step n then weighs 1 / (1 + decay + … + decay^(n-1)), which falls to 1 - decay.
+With a prior the first step is one step against `prior_weight` pseudo-steps.
 """
 
 from __future__ import annotations

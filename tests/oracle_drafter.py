@@ -39,7 +39,7 @@ BOOST = 30.0
 
 
 class OracleProposer:
-    """DraftProposer that boosts the reference continuation (see the module docstring)."""
+    """A DraftLogitsRewriter that boosts the reference continuation (see the module docstring)."""
 
     def __init__(
         self,

@@ -15,7 +15,6 @@ from bastion_sglang.calibration.microbench import (
     measure_peaks,
 )
 from bastion_sglang.calibration.sweep import SweepSettings, aux_line, check_widths, context_grid, width_grid
-from bastion_sglang.calibration.timing import time_op
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.roofline import RooflineModel
 
@@ -119,15 +118,6 @@ def test_sweep_settings_name_their_budget_and_middle_context() -> None:
     settings = SweepSettings(widths=(2, 4, 9), contexts=(64, 128, 256, 512))
     assert settings.budget == 8
     assert settings.mid_context == 256
-
-
-def test_time_op_resets_before_every_call_and_times_only_the_op() -> None:
-    log: list[str] = []
-    seconds = time_op(lambda: log.append("op"), CPU, warmup=2, repeats=3, reset=lambda: log.append("reset"))
-    assert log == ["reset", "op"] * 5
-    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
-        time_op(lambda: None, CPU, warmup=0, repeats=0)
 
 
 def test_cpu_peaks_are_measured_and_have_no_datasheet_entry() -> None:

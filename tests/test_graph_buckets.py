@@ -22,6 +22,7 @@ from bastion_sglang.graph_buckets import (
     VerifyShape,
     choose_verify_shape,
     pad_verify_rows,
+    padded_verify_pass,
     planning_widths,
     real_rows,
     validate_graph_widths,
@@ -313,3 +314,16 @@ def test_a_startup_runner_with_sglangs_causal_verify_graphs_is_refused() -> None
     runner.decode_cuda_graph_runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)  # never captured
     with pytest.raises(RuntimeError, match="causal mask"):
         capture_verify_graphs(runner, BUCKETS)
+
+
+def test_padded_verify_pass_is_layout_then_padding_then_flat_mask() -> None:
+    rows, prefix = two_requests()
+    verify = padded_verify_pass(rows, prefix, 8, seq_lens_sum=int(prefix.sum()))
+    layout = build_verify_layout(rows, prefix)
+    padded = pad_verify_rows(rows, layout, 8)
+    assert torch.equal(verify.layout.ancestor_mask, layout.ancestor_mask)
+    assert torch.equal(verify.layout.first_child, layout.first_child)
+    assert torch.equal(verify.rows.tokens, padded.tokens)
+    assert torch.equal(verify.rows.positions, padded.positions)
+    assert torch.equal(verify.custom_mask, flat_custom_mask(padded.ancestor_mask, prefix))
+    assert verify.rows.width == 8 and verify.layout.positions.shape == (2, 6)

@@ -30,7 +30,6 @@ from bastion_sglang.reference import (
     DFlashProposer,
     DraftInput,
     ReferenceEngine,
-    StageTimer,
     TargetModel,
 )
 
@@ -407,15 +406,3 @@ def test_engine_rejects_bad_setups(target: Target, tmp_path: Path) -> None:
         engine.generate([1, 2], 0, policy="ar")
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([1, 2], 4, temperature=1.0, top_p=0.0, policy="ar")
-
-
-def test_stage_timer_on_cpu() -> None:
-    timer = StageTimer(CPU)
-    with timer.stage("draft"):
-        torch.ones(256, 256) @ torch.ones(256, 256)
-    with timer.stage("verify"):
-        pass
-    seconds = timer.finish()
-    assert seconds.draft > 0 and seconds.plan == 0 and seconds.total >= seconds.draft + seconds.verify
-    with pytest.raises(ValueError, match="unknown stage"), timer.stage("sample"):
-        pass

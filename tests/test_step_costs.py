@@ -85,3 +85,15 @@ def test_a_heavy_prior_keeps_the_profile_draft_cost_at_every_batch_size() -> Non
     for _ in range(50):
         tracker.observe(0.080, 0.001, 16, 8)
     assert tracker.draft_seconds(8) < 0.008  # near the profile's 2 ms, far from the measured 80 ms
+
+
+def test_first_step_rule_without_a_prior() -> None:
+    """The first step sets the estimate outright; step n weighs 1 / (1 + decay + … + decay^(n-1))."""
+    tracker = StepCostTracker(decay=0.9)
+    tracker.observe(0.02, 0.004, 8)
+    assert tracker.costs(l_ar=0.05).t_draft == pytest.approx(0.02)
+    assert tracker.aux_line() == pytest.approx((0.004, 0.0))
+    tracker.observe(0.03, 0.006, 8)
+    newest = 1 / (1 + 0.9)
+    assert tracker.draft_seconds(1) == pytest.approx(0.02 + newest * (0.03 - 0.02))
+    assert tracker.aux_line()[0] == pytest.approx(0.004 + newest * (0.006 - 0.004))

@@ -1,4 +1,4 @@
-"""`worker.target_sampling_probs`: the distribution the sampling walk draws each verify position from.
+"""`sglang_adapter.target_sampling_probs`: the distribution the sampling walk draws each verify position from.
 
 It must be what SGLang's own sampler draws from for the same `SamplingBatchInfo`: the softmax of
 logits / temperature, filtered by top-k, top-p and min-p on the descending sort when a request sets them, and
@@ -15,7 +15,7 @@ sglang = pytest.importorskip("sglang")
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
 from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
 
-from bastion_sglang.worker import target_sampling_probs  # noqa: E402
+from bastion_sglang.sglang_adapter import target_sampling_probs  # noqa: E402
 
 BATCH, WIDTH, VOCAB = 2, 3, 50
 

@@ -35,6 +35,8 @@ from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
+from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.draft_protocols import DraftInput, DraftSource
 from bastion_sglang.drafter_config import check_drafter_fits
 from bastion_sglang.kernels import (
     accept_greedy,
@@ -45,30 +47,16 @@ from bastion_sglang.kernels import (
     sample_tokens,
 )
 from bastion_sglang.reference.drafter import DFlashDrafter
-from bastion_sglang.reference.proposer import DFlashProposer, DraftInput, DraftProposer
+from bastion_sglang.reference.proposer import DFlashProposer
 from bastion_sglang.reference.sampling import SamplingParams
-from bastion_sglang.reference.stats import GenerationResult, StageTimer, StepStats
+from bastion_sglang.reference.stats import GenerationResult, StepStats
 from bastion_sglang.reference.target import SlotCache, TargetModel, load_causal_lm
+from bastion_sglang.timing import StageTimer
 
 MAX_TOPK = 64
 """Largest K (candidates per draft position) the engine asks the proposer for."""
-COST_EMA_ALPHA = 0.1
-"""Weight of the newest step in the online estimates of T_draft and T_aux (when no StepCosts are given)."""
-
-
-@dataclass
-class _CostTracker:
-    """Online T_draft and T_aux (plan + accept) in seconds: EMAs of the measured stages, 0 before any step."""
-
-    t_draft: float = 0.0
-    t_aux: float = 0.0
-    steps: int = 0
-
-    def observe(self, draft: float, aux: float) -> None:
-        weight = 1.0 if self.steps == 0 else COST_EMA_ALPHA
-        self.t_draft += weight * (draft - self.t_draft)
-        self.t_aux += weight * (aux - self.t_aux)
-        self.steps += 1
+COST_DECAY = 0.9
+"""Weight the online step-cost estimates keep per step (`StepCostTracker`; when no StepCosts are given)."""
 
 
 @dataclass
@@ -116,13 +104,14 @@ class ReferenceEngine:
     """BASTION decoding of one request at a time with a Hugging Face target.
 
     target: a causal-LM folder or a loaded `PreTrainedModel` (moved to device/dtype).
-    drafter: a DFlash checkpoint folder, a `DFlashDrafter`, any `DraftProposer`, or None (plain decoding
+    drafter: a DFlash checkpoint folder, a `DFlashDrafter`, any `DraftSource`, or None (plain decoding
         only). A DFlash drafter is checked against the target (`check_drafter_fits`).
     hardware / latency: the verify-latency model the policies plan with: a given `LatencyModel` (e.g.
         from a calibration profile), else an uncalibrated roofline of the target on `hardware` (required
         then: there is no default GPU), with `width_buckets` if given. Its EMA is updated every step.
-    step_costs: T_draft, T_aux and L_AR for the policies; None: T_draft and T_aux are EMAs of this engine's
-        measured stages and L_AR is the latency model's prediction for one token at the current context.
+    step_costs: T_draft, T_aux and L_AR for the policies; None: T_draft and T_aux (with its per-token slope)
+        are fitted online to this engine's measured stages (`StepCostTracker`, as the worker does) and L_AR
+        is the latency model's prediction for one token at the current context.
     acceptance: the drafter's acceptance calibration (trees are built on its calibrated log-probabilities,
         so Â and the policies see calibrated values); None: the raw drafter probabilities.
     max_nodes: N_max, the tree budget of the adaptive policies. eos_token_ids: None reads the target's
@@ -132,7 +121,7 @@ class ReferenceEngine:
     def __init__(
         self,
         target: str | Path | PreTrainedModel,
-        drafter: str | Path | DFlashDrafter | DraftProposer | None = None,
+        drafter: str | Path | DFlashDrafter | DraftSource | None = None,
         *,
         device: torch.device | str,
         dtype: torch.dtype,
@@ -158,7 +147,7 @@ class ReferenceEngine:
         self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
         self.step_costs = step_costs
         self.acceptance = acceptance
-        self._costs = _CostTracker()
+        self._costs = StepCostTracker(decay=COST_DECAY)
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
         self.max_nodes = max_nodes
@@ -172,11 +161,11 @@ class ReferenceEngine:
 
     def _make_proposer(
         self,
-        drafter: str | Path | DFlashDrafter | DraftProposer | None,
+        drafter: str | Path | DFlashDrafter | DraftSource | None,
         model: PreTrainedModel,
         dtype: torch.dtype,
         config: dict[str, Any],
-    ) -> DraftProposer | None:
+    ) -> DraftSource | None:
         if drafter is None:
             return None
         if isinstance(drafter, str | Path):
@@ -234,9 +223,7 @@ class ReferenceEngine:
     def _costs_now(self, ctx_len: int) -> StepCosts:
         if self.step_costs is not None:
             return self.step_costs
-        return StepCosts(
-            t_draft=self._costs.t_draft, t_aux=self._costs.t_aux, l_ar=self.latency.predict_plain(ctx_len)
-        )
+        return self._costs.costs(l_ar=self.latency.predict_plain(ctx_len))
 
     @torch.no_grad()
     def generate(
@@ -395,5 +382,5 @@ class ReferenceEngine:
         width = nodes + 1
         predicted = self.latency.predict(width, ctx)
         self.latency.observe(width, ctx, seconds.verify)
-        self._costs.observe(seconds.draft, seconds.plan + seconds.accept)
+        self._costs.observe(seconds.draft, seconds.aux, tokens=width)
         return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds, proposal)

@@ -1,0 +1,507 @@
+"""Everything BASTION takes from SGLang's internals, in one place, checked against the pinned version.
+
+SGLang has no stable API below its plugin hooks and `sglang.Engine`; BASTION's worker subclasses its DFlash
+worker, reads its private attributes and hooks its functions by dotted name. Each of those is declared here
+(`Internal`: a module attribute, or a class and one of its attributes) and this module checks them all when
+it is imported: anything that moved raises one `SglangMismatchError` that lists every missing internal with
+the installed and the pinned SGLang version, instead of an AttributeError deep in the first decode step.
+
+What goes through this module (decided per kind):
+- every underscore name, every private attribute of an SGLang object, every private method the worker
+  overrides, and every hook target (`CPU_HOOKS`, `REGISTRATION_HOOKS`): declared, and read or called only
+  through the functions below;
+- the SGLang internals the glue modules import (worker, spec_input, graphs, cpu_support, metrics,
+  request_penalties): declared and re-exported from here, so the glue imports them from this module;
+- calibration's measurement engine set-up (`MEASUREMENT_INTERNALS`: ServerArgs, ModelRunner construction, the
+  benchmark prefill): declared and checked by `require` when that engine opens, but not imported here,
+  since `sglang.benchmark.one_batch` loads SGLang's whole engine entry point into the serving process.
+What stays where it is: SGLang's public surface (`sglang.Engine`, the plugin API of `registration.py`:
+`SpeculativeAlgorithm.register`, `HookRegistry`, `CustomSpecAlgo`, its server-argument helpers), and imports
+under `TYPE_CHECKING`, which never run. `registration.py`'s hook targets are declared here too, and
+`tests/test_sglang_adapter.py` checks that every target it registers is one of them.
+
+Version: `PINNED_VERSION` is the `sglang==` pin of pyproject.toml. Another installed version with every
+internal in place imports with a `SglangVersionWarning` (a patch release usually keeps them; the internals
+check is the gate that matters); with anything missing the error names both versions.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata
+import inspect
+import textwrap
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+PINNED_VERSION = "0.5.23"
+"""The SGLang release these internals were read from (pyproject.toml: `sglang==0.5.23`)."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One SGLang internal: `module.name`, or `attribute` of the class `module.name` (a method, a class
+    attribute, a dataclass field, or an instance attribute a method of the class or its bases assigns)."""
+
+    module: str  # dotted module path, e.g. "sglang.srt.speculative.dflash_worker_v2"
+    name: str  # attribute of the module, e.g. "DFlashWorkerV2"
+    attribute: str | None = None  # attribute of that class, e.g. "_mask_token_id"
+
+    @property
+    def target(self) -> str:
+        """The dotted path (what SGLang's HookRegistry takes)."""
+        tail = f".{self.attribute}" if self.attribute else ""
+        return f"{self.module}.{self.name}{tail}"
+
+    def __str__(self) -> str:
+        return self.target
+
+
+def _internals(module: str, *names: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, name) for name in names)
+
+
+def _members(module: str, cls: str, *attributes: str) -> tuple[Internal, ...]:
+    return tuple(Internal(module, cls, attribute) for attribute in attributes)
+
+
+_DFLASH = "sglang.srt.speculative.dflash_worker_v2"
+_RUNNER = "sglang.srt.model_executor.model_runner"
+_FORWARD = "sglang.srt.model_executor.forward_batch_info"
+
+SERVING_INTERNALS: tuple[Internal, ...] = (
+    *_internals(_DFLASH, "DFlashWorkerV2", "_resolve_dflash_embedding_module"),
+    *_members(
+        _DFLASH,
+        "DFlashWorkerV2",
+        "_mask_token_id",
+        "_noise_embed_scale",
+        "_target_logits_processor",
+        "_draft_block_spec_info",
+        "_append_target_hidden_to_draft_kv_by_loc",
+        "_additional_graph_memory_usage",
+        "_additional_graph_time_usage",
+        "_maybe_build_draft_sampler",
+        "_validate_phase1_sampling_support",
+        "forward_batch_generation",
+        "init_cuda_graphs",
+        "block_size",
+        "device",
+        "draft_model",
+        "draft_model_runner",
+        "draft_parallel_layout",
+        "model_runner",
+        "target_worker",
+    ),
+    *_members(
+        "sglang.srt.layers.logits_processor", "LogitsProcessor", "is_deferred_shard", "finish_deferred_gather"
+    ),
+    *_members(
+        _RUNNER,
+        "ModelRunner",
+        "_get_attention_backend",
+        "kv_index_translator",
+        "decode_cuda_graph_runner",
+        "attn_backend",
+        "req_to_token_pool",
+    ),
+    *_internals("sglang.srt.layers.logprob_processor", "compute_spec_logprobs"),
+    *_internals("sglang.srt.managers.utils", "GenerationBatchResult"),
+    *_internals(_FORWARD, "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "enable_num_token_non_padded"),
+    *_members(_FORWARD, "ForwardBatch", "init_new", "mark_forward_metadata_ready"),
+    *_internals(
+        "sglang.srt.runtime_context",
+        "get_context",
+        "get_disagg",
+        "get_exec",
+        "get_observability",
+        "get_parallel",
+        "get_schedule",
+        "get_serving",
+        "get_spec",
+    ),
+    *_internals("sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
+    *_internals("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "SpecInput", "SpecInputType"),
+    *_internals(
+        "sglang.srt.speculative.spec_utils", "GrammarTree", "build_grammar_vocab_mask", "draft_tp_context"
+    ),
+    *_internals("sglang.srt.mem_cache.allocation", "alloc_for_spec_decode"),
+    *_internals("sglang.srt.mem_cache.allocation_sizing", "page_aligned_decode_alloc_lens"),
+    *_internals("sglang.srt.mem_cache.memory_pool", "KVWriteLoc"),
+    *_internals(
+        "sglang.srt.model_executor.cuda_graph_config", "Backend", "Phase", "check_cuda_graph_backend"
+    ),
+    *_internals("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner"),
+    *_members(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+        "DecodeCudaGraphRunner",
+        "get_spec_info",
+        "can_run_graph",
+        "load_batch",
+    ),
+    *_internals("sglang.srt.utils", "get_available_gpu_memory"),
+    *_internals("sglang.srt.layers.radix_attention", "AttentionType"),
+    *_internals(
+        "sglang.srt.arg_groups.choices",
+        "DRAFT_ATTENTION_BACKEND_CHOICES",
+        "add_draft_attention_backend_choices",
+    ),
+    *_internals("sglang.srt.plugins.hook_registry", "HookRegistry", "HookType"),
+    *_members("sglang.srt.plugins.hook_registry", "HookRegistry", "_patched"),
+    *_internals("sglang.srt.disaggregation.utils", "DisaggregationMode"),
+    *_internals(
+        "sglang.srt.sampling.penaltylib",
+        "BatchedFrequencyPenalizer",
+        "BatchedMinNewTokensPenalizer",
+        "BatchedPresencePenalizer",
+        "BatchedRepetitionPenalizer",
+    ),
+    *_members(
+        "sglang.srt.sampling.sampling_batch_info",
+        "SamplingBatchInfo",
+        "temperatures",
+        "top_ks",
+        "top_ps",
+        "min_ps",
+        "need_top_k_sampling",
+        "need_top_p_sampling",
+        "need_min_p_sampling",
+        "is_all_greedy",
+        "logit_bias",
+    ),
+)
+"""What the serving glue uses; checked when this module is imported."""
+
+TORCH_NATIVE_FORWARD_EXTEND = Internal(
+    "sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend", "forward_extend"
+)
+ASSIGN_REQ_TO_TOKEN_POOL = Internal("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool_func")
+COPY_ALL_LAYER_KV_CACHE = Internal("sglang.kernels.ops.kvcache.cache_move", "copy_all_layer_kv_cache_func")
+EXTEND_FORWARD_KWARGS = Internal(_RUNNER, "ModelRunner", "_extend_forward_kwargs")
+CPU_HOOKS: tuple[Internal, ...] = (
+    TORCH_NATIVE_FORWARD_EXTEND,
+    ASSIGN_REQ_TO_TOKEN_POOL,
+    COPY_ALL_LAYER_KV_CACHE,
+    EXTEND_FORWARD_KWARGS,
+)
+"""Targets of the CPU stand-ins (`cpu_support.install_bastion_stand_ins`)."""
+
+REGISTRATION_HOOKS: tuple[Internal, ...] = (
+    Internal("sglang.srt.server_args", "ServerArgs", "add_cli_args"),
+    Internal("sglang.srt.server_args", "ServerArgs", "from_cli_args"),
+    Internal("sglang.srt.managers.scheduler", "Scheduler", "__init__"),
+    Internal("sglang.srt.speculative.dflash_utils", "validate_dflash_request"),
+    Internal(_RUNNER, "ModelRunner", "_decode_cuda_graph_runner_cls"),
+)
+"""Targets `registration.register_algorithm` hooks (SGLang's HookRegistry skips a missing one with a log
+line, so a moved target would silently drop a BASTION feature)."""
+
+MEASUREMENT_INTERNALS: tuple[Internal, ...] = (
+    *_internals("sglang.srt.arg_groups.overrides", "resolving_view"),
+    *_internals("sglang.srt.configs.model_config", "ModelConfig"),
+    *_internals("sglang.srt.distributed", "bootstrap"),
+    *_internals("sglang.srt.distributed.bootstrap", "init_parallel_runtime", "init_layer_runtime"),
+    *_internals("sglang.srt.layers.moe", "initialize_moe_config"),
+    *_internals("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config"),
+    *_internals("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
+    *_internals("sglang.srt.layers.quantization.unquant", "initialize_bf16_gemm_config"),
+    *_internals(_RUNNER, "ModelRunner"),
+    *_members(
+        _RUNNER, "ModelRunner", "alloc_memory_pool", "init_attention_backends", "init_cuda_graphs", "forward"
+    ),
+    *_internals("sglang.srt.runtime_context", "SpawnRanks", "get_device", "publish", "spawn_world_rank"),
+    *_internals("sglang.srt.server_args", "PortArgs", "ServerArgs"),
+    *_internals("sglang.benchmark.one_batch", "extend", "prepare_synthetic_inputs_for_latency_test"),
+    *_internals(
+        "sglang.srt.distributed.parallel_state", "destroy_distributed_environment", "destroy_model_parallel"
+    ),
+)
+"""What calibration's `sglang` measurement engine uses to build a ModelRunner outside a server; checked by
+`require` when that engine opens."""
+
+
+class SglangMismatchError(ImportError):
+    """The installed SGLang lacks internals BASTION relies on."""
+
+
+class SglangVersionWarning(UserWarning):
+    """The installed SGLang is not the pinned release (its internals all resolved)."""
+
+
+def installed_version() -> str | None:
+    """The installed SGLang's version, or None when SGLang is not installed."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@cache
+def _assigned_attributes(cls: type) -> frozenset[str]:
+    """Names the class's own methods assign on `self` (`self.x = ...`, `self.x: T = ...`)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # a builtin or a class without source
+        return frozenset()
+    return frozenset(
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def resolves(internal: Internal) -> bool:
+    """Whether `internal` exists in the installed SGLang (imports its module)."""
+    try:
+        module = importlib.import_module(internal.module)
+    except ImportError:
+        return False
+    if not hasattr(module, internal.name):
+        return False
+    if internal.attribute is None:
+        return True
+    owner = getattr(module, internal.name)
+    if hasattr(owner, internal.attribute):
+        return True
+    if not isinstance(owner, type):
+        return False
+    return any(
+        internal.attribute in vars(cls).get("__annotations__", {})
+        or internal.attribute in _assigned_attributes(cls)
+        for cls in owner.__mro__
+    )
+
+
+def missing_internals(internals: Sequence[Internal]) -> list[Internal]:
+    """The entries of `internals` the installed SGLang does not have, in order."""
+    return [internal for internal in internals if not resolves(internal)]
+
+
+def mismatch_message(missing: Sequence[Internal], installed: str | None, pinned: str = PINNED_VERSION) -> str:
+    """The error text naming every missing internal and both versions."""
+    lines = "\n".join(f"  - {internal}" for internal in missing)
+    return (
+        f"BASTION needs SGLang {pinned} (installed: {installed or 'none'}); these SGLang internals are "
+        f"missing or moved:\n{lines}\nInstall sglang=={pinned}, or update bastion_sglang/sglang_adapter.py."
+    )
+
+
+def require(
+    internals: Sequence[Internal], installed: str | None = None, pinned: str = PINNED_VERSION
+) -> None:
+    """Raise SglangMismatchError listing every missing entry of `internals`; warn (SglangVersionWarning) when
+    they all resolve on a version other than `pinned`. installed: None reads the installed version."""
+    version = installed_version() if installed is None else installed
+    missing = missing_internals(internals)
+    if missing:
+        raise SglangMismatchError(mismatch_message(missing, version, pinned))
+    if version != pinned:
+        warnings.warn(
+            f"BASTION was built against SGLang {pinned}, installed is {version}; every internal it uses "
+            "resolved, but their behaviour is not checked",
+            SglangVersionWarning,
+            stacklevel=2,
+        )
+
+
+require((*SERVING_INTERNALS, *CPU_HOOKS, *REGISTRATION_HOOKS))
+
+from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES, add_draft_attention_backend_choices
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
+from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    enable_num_token_non_padded,
+)
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.runtime_context import (
+    get_context,
+    get_disagg,
+    get_exec,
+    get_observability,
+    get_parallel,
+    get_schedule,
+    get_serving,
+    get_spec,
+)
+from sglang.srt.sampling import penaltylib
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.dflash_worker_v2 import (
+    _resolve_dflash_embedding_module as resolve_dflash_embedding_module,
+)
+from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType, SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
+from sglang.srt.utils import get_available_gpu_memory
+
+from bastion_sglang import kernels
+
+__all__ = [
+    "DRAFT_ATTENTION_BACKEND_CHOICES",
+    "AttentionType",
+    "Backend",
+    "CaptureHiddenMode",
+    "DFlashWorkerV2",
+    "DecodeCudaGraphRunner",
+    "DisaggregationMode",
+    "ForwardBatch",
+    "ForwardMode",
+    "GenerationBatchResult",
+    "GrammarTree",
+    "HookRegistry",
+    "HookType",
+    "KVWriteLoc",
+    "Phase",
+    "SpecInput",
+    "SpecInputType",
+    "SpeculativeAlgorithm",
+    "add_draft_attention_backend_choices",
+    "alloc_for_spec_decode",
+    "build_grammar_vocab_mask",
+    "check_cuda_graph_backend",
+    "compute_spec_logprobs",
+    "draft_tp_context",
+    "enable_num_token_non_padded",
+    "get_available_gpu_memory",
+    "get_context",
+    "get_disagg",
+    "get_exec",
+    "get_observability",
+    "get_parallel",
+    "get_schedule",
+    "get_serving",
+    "get_spec",
+    "make_draft_block_spec_info",
+    "page_aligned_decode_alloc_lens",
+    "penaltylib",
+    "resolve_dflash_embedding_module",
+]
+
+
+# ---- private attributes of SGLang objects ------------------------------------------------------------
+
+
+def mask_token_id(worker: DFlashWorkerV2) -> int:
+    """The drafter's MASK token id (DFlash resolves it from the drafter config at start-up)."""
+    return int(worker._mask_token_id)
+
+
+def noise_embed_scale(worker: DFlashWorkerV2) -> float:
+    """The factor DFlash scales the drafter's input embeddings by (1.0: none)."""
+    return float(worker._noise_embed_scale)
+
+
+def install_draft_block_spec_info(worker: DFlashWorkerV2, block_size: int) -> Any:
+    """Replace the spec info of the drafter's block forward (DFlash sizes it by its own block) with one of
+    `block_size` tokens per request; returns it."""
+    worker._draft_block_spec_info = make_draft_block_spec_info(
+        draft_token_num=block_size, device=worker.device
+    )
+    return worker._draft_block_spec_info
+
+
+def gathered_verify_logits(worker: DFlashWorkerV2, logits: torch.Tensor) -> torch.Tensor:
+    """The target's verify logits [rows, V] whole: DFlash defers the vocabulary gather of its target's
+    logits processor under tensor parallelism; this finishes it (`logits` itself when none is deferred)."""
+    processor = worker._target_logits_processor
+    if processor is not None and processor.is_deferred_shard(logits):
+        return processor.finish_deferred_gather(logits)
+    return logits
+
+
+def add_graph_usage(worker: DFlashWorkerV2, name: str, memory_gb: float, seconds: float) -> None:
+    """Add captured graphs' memory (GiB) and capture time (seconds) to the worker's graph records under
+    `name` (SGLang logs them at start-up)."""
+    for record, value in (
+        (worker._additional_graph_memory_usage, memory_gb),
+        (worker._additional_graph_time_usage, seconds),
+    ):
+        record[name] = record.get(name, 0.0) + value
+
+
+def append_target_hidden_to_draft_kv(
+    worker: DFlashWorkerV2,
+    target_hidden: torch.Tensor,
+    cache_loc_2d: torch.Tensor,
+    positions: torch.Tensor,
+    commit_lens: torch.Tensor,
+) -> None:
+    """Write the committed positions' target hidden states into the drafter's KV (DFlash's commit path).
+
+    target_hidden: [B * W, H] in slot order; cache_loc_2d: [B, W] int64 slots; positions: [B * W] int64;
+    commit_lens: [B] int32 tokens committed per request (only the first commit_lens[b] of row b are kept).
+    """
+    worker._append_target_hidden_to_draft_kv_by_loc(
+        target_hidden=target_hidden,
+        cache_loc=cache_loc_2d.reshape(-1),
+        cache_loc_2d=cache_loc_2d,
+        positions=positions,
+        commit_lens=commit_lens,
+    )
+
+
+def attention_backend_of(model_runner: ModelRunner) -> AttentionBackend:
+    """A new attention backend of the kind the model runner uses (each graph runner needs its own)."""
+    return model_runner._get_attention_backend()
+
+
+def hook_applied(target: Internal) -> bool:
+    """Whether SGLang's HookRegistry has patched `target`."""
+    return target.target in HookRegistry._patched
+
+
+# ---- SGLang's sampling batch --------------------------------------------------------------------------
+
+
+def target_sampling_probs(
+    logits: torch.Tensor, sampling_info: SamplingBatchInfo, width: int, sampling_backend: str
+) -> torch.Tensor:
+    """The distribution SGLang's sampler draws from after each verify position (`kernels.processed_probs`
+    with the filter rule of this batch and SGLang's `sampling_backend`).
+
+    logits: [B * W, V] float (penalties, grammar masks and biases applied). Returns [B, W, V] unnormalised
+    non-negative weights (sampling normalises).
+    """
+    rows, vocab = logits.shape
+    batch = rows // width
+
+    def per_position(values: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(values.reshape(batch, -1)[:, 0], width)
+
+    rule = kernels.filter_rule(
+        sampling_backend,
+        sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling,
+        sampling_info.need_min_p_sampling,
+    )
+    probs = kernels.processed_probs(
+        logits,
+        per_position(sampling_info.temperatures),
+        per_position(sampling_info.top_ks),
+        per_position(sampling_info.top_ps),
+        per_position(sampling_info.min_ps),
+        rule,
+    )
+    return probs.view(batch, width, vocab)
