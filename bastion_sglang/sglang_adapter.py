@@ -79,6 +79,7 @@ def _members(module: str, cls: str, *attributes: str) -> tuple[Internal, ...]:
 _DFLASH = "sglang.srt.speculative.dflash_worker_v2"
 _RUNNER = "sglang.srt.model_executor.model_runner"
 _FORWARD = "sglang.srt.model_executor.forward_batch_info"
+_RUNTIME = "sglang.srt.runtime_context"
 
 SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals(_DFLASH, "DFlashWorkerV2", "_resolve_dflash_embedding_module"),
@@ -120,17 +121,8 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals("sglang.srt.managers.utils", "GenerationBatchResult"),
     *_internals(_FORWARD, "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "enable_num_token_non_padded"),
     *_members(_FORWARD, "ForwardBatch", "init_new", "mark_forward_metadata_ready"),
-    *_internals(
-        "sglang.srt.runtime_context",
-        "get_context",
-        "get_disagg",
-        "get_exec",
-        "get_observability",
-        "get_parallel",
-        "get_schedule",
-        "get_serving",
-        "get_spec",
-    ),
+    *_internals(_RUNTIME, "get_context", "get_disagg", "get_exec", "get_observability"),
+    *_internals(_RUNTIME, "get_parallel", "get_schedule", "get_serving", "get_spec"),
     *_internals("sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
     *_internals("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "SpecInput", "SpecInputType"),
     *_internals(
@@ -220,7 +212,7 @@ MEASUREMENT_INTERNALS: tuple[Internal, ...] = (
     *_members(
         _RUNNER, "ModelRunner", "alloc_memory_pool", "init_attention_backends", "init_cuda_graphs", "forward"
     ),
-    *_internals("sglang.srt.runtime_context", "SpawnRanks", "get_device", "publish", "spawn_world_rank"),
+    *_internals(_RUNTIME, "SpawnRanks", "get_device", "publish", "spawn_world_rank"),
     *_internals("sglang.srt.server_args", "PortArgs", "ServerArgs"),
     *_internals("sglang.benchmark.one_batch", "extend", "prepare_synthetic_inputs_for_latency_test"),
     *_internals(

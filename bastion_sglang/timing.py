@@ -7,7 +7,7 @@
   step's times with `record`, on CUDA the previous step's (None after the first), whose end events
   completed a step ago; `record` is the caller's typed description of the step (`TimedStep[R]`), so the
   late times arrive with the step they belong to.
-- `time_op` / `median_seconds` time repeated calls of one operation (calibration): each timed call is
+- `time_op` times repeated calls of one operation (calibration): each timed call is
   bracketed by two marks and the host waits once, after the last call.
 
 Nothing here imports SGLang: the controller's step-cost tracker, calibration and the reference engine use it
@@ -16,7 +16,6 @@ without a server.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -176,14 +175,3 @@ def time_op(
         spans.append((start, _mark(cuda)))
     _wait(spans[-1][1])  # host sync: read every mark once, after the last call
     return [_elapsed(start, end) for start, end in spans]
-
-
-def median_seconds(
-    op: Callable[[], object],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-    reset: Callable[[], object] | None = None,
-) -> float:
-    """Median of `time_op`, seconds."""
-    return statistics.median(time_op(op, device, warmup, repeats, reset))

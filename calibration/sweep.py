@@ -51,7 +51,7 @@ from bastion_sglang.controller.latency import LatencyModel, LatencySample, Mode
 from bastion_sglang.controller.policies import AdaptivePolicy, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
-from bastion_sglang.timing import median_seconds, time_op
+from bastion_sglang.timing import time_op
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +275,10 @@ def measure_step_costs(
     engine.set_context(context)
     top, _ = draft_trees(engine, settings)
     k = int(top.logprobs.shape[-1])
-    t_draft = median_seconds(lambda: engine.draft(k), device, settings.warmup, settings.repeats)
-    l_ar = median_seconds(engine.decode, device, settings.warmup, settings.repeats, reset=engine.discard)
+    t_draft = statistics.median(time_op(lambda: engine.draft(k), device, settings.warmup, settings.repeats))
+    l_ar = statistics.median(
+        time_op(engine.decode, device, settings.warmup, settings.repeats, reset=engine.discard)
+    )
     partial = StepCosts(t_draft=t_draft, t_aux=0.0, l_ar=l_ar)
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -300,7 +302,7 @@ def measure_step_costs(
     widths = settings.widths
     aux_widths = tuple(sorted({widths[0], widths[len(widths) // 2], widths[-1]}))
     aux_seconds = tuple(
-        median_seconds(lambda w=width: aux_step(w), device, settings.warmup, settings.repeats)
+        statistics.median(time_op(lambda w=width: aux_step(w), device, settings.warmup, settings.repeats))
         for width in aux_widths
     )
     t_aux, per_token = aux_line(aux_widths, aux_seconds)
