@@ -7,8 +7,10 @@ import ast
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bastion_sglang.sglang_adapter import (
     CPU_HOOKS,
@@ -19,6 +21,9 @@ from bastion_sglang.sglang_adapter import (
     Internal,
     SglangMismatchError,
     SglangVersionWarning,
+    add_graph_usage,
+    append_target_hidden_to_draft_kv,
+    gathered_verify_logits,
     missing_internals,
     require,
 )
@@ -105,3 +110,43 @@ def test_glue_takes_sglang_internals_from_the_adapter() -> None:
             and id(node) not in type_only
         ]
         assert runtime == [], (name, runtime)
+
+
+class DeferredProcessor:
+    """Stands in for SGLang's LogitsProcessor with a deferred vocabulary gather: doubles the logits."""
+
+    def is_deferred_shard(self, logits: torch.Tensor) -> bool:
+        return logits.shape[-1] == 2
+
+    def finish_deferred_gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.cat([logits, logits], dim=-1)
+
+
+def test_verify_logits_are_gathered_only_when_deferred() -> None:
+    shard = torch.ones(3, 2)
+    worker = SimpleNamespace(_target_logits_processor=DeferredProcessor())
+    assert gathered_verify_logits(worker, shard).shape == (3, 4)
+    whole = torch.ones(3, 4)
+    assert gathered_verify_logits(worker, whole) is whole
+    assert gathered_verify_logits(SimpleNamespace(_target_logits_processor=None), shard) is shard
+
+
+def test_graph_usage_adds_to_the_workers_records() -> None:
+    worker = SimpleNamespace(
+        _additional_graph_memory_usage={"target_verify": 1.0}, _additional_graph_time_usage={}
+    )
+    add_graph_usage(worker, "target_verify", 0.5, 2.0)
+    add_graph_usage(worker, "target_verify", 0.25, 1.0)
+    assert worker._additional_graph_memory_usage == {"target_verify": 1.75}
+    assert worker._additional_graph_time_usage == {"target_verify": 3.0}
+
+
+def test_draft_kv_commit_passes_the_flat_and_2d_slots() -> None:
+    calls: list[dict[str, torch.Tensor]] = []
+    worker = SimpleNamespace(_append_target_hidden_to_draft_kv_by_loc=lambda **kw: calls.append(kw))
+    slots = torch.tensor([[4, 5], [9, 8]])
+    hidden, positions, lens = torch.zeros(4, 3), torch.arange(4), torch.tensor([1, 2], dtype=torch.int32)
+    append_target_hidden_to_draft_kv(worker, hidden, slots, positions, lens)
+    (call,) = calls
+    assert torch.equal(call["cache_loc"], torch.tensor([4, 5, 9, 8])) and call["cache_loc_2d"] is slots
+    assert call["target_hidden"] is hidden and call["positions"] is positions and call["commit_lens"] is lens
