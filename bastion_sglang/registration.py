@@ -332,8 +332,9 @@ def handle_server_args(server_args: Any) -> None:
     Does what SGLang's `_handle_dflash` does (steps 1, topk 1, the drafter's block size, the draft
     attention backend, 48 running requests by default) without its device check, and BASTION's own:
     draft-token count = verify width cap N_max + 1, overlap scheduling and mixed chunks off, page size 1,
-    one TP rank, the drafter must fit the target, the backend must read a custom tree mask, the latency
-    profile must load. `server_args` is SGLang's recording stand-in: assignments become declarations.
+    no pipeline parallel or DP attention, the drafter must fit the target, the backend must read a custom
+    tree mask, the latency profile must load. `server_args` is SGLang's recording stand-in: assignments
+    become declarations.
     """
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.utils.hf_transformers_utils import get_config
@@ -359,6 +360,7 @@ def handle_server_args(server_args: Any) -> None:
     )
     check_drafter_fits(drafter, target_hf_config.to_dict())
     check_draft_logits_supported(draft_hf_config)
+    check_heads_split(int(cfg.tp_size or 1), target=target_hf_config, drafter=draft_hf_config)
 
     width_cap = config.verify_width_cap
     context_len = int(model_config_of(server_args).context_len)
@@ -424,12 +426,42 @@ def check_draft_logits_supported(draft_hf_config: Any) -> None:
             )
 
 
+def check_heads_split(tp_size: int, **hf_configs: Any) -> None:
+    """Refuse a `--tp-size` the attention heads of a model (by name: target, drafter) do not split over.
+
+    Each TP rank holds num_attention_heads / tp query heads; KV heads are split the same way, or replicated
+    when tp is a multiple of num_key_value_heads. Raises ValueError naming the model, its head counts and the
+    tensor-parallel sizes that fit (before SGLang loads weights and fails an assertion deep in a layer).
+    """
+    for name, hf_config in hf_configs.items():
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        if heads % tp_size == 0 and (kv_heads % tp_size == 0 or tp_size % kv_heads == 0):
+            continue
+        fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+        raise ValueError(
+            f"--tp-size {tp_size}: the {name}'s {heads} attention heads ({kv_heads} KV heads) do not split "
+            f"over {tp_size} ranks; tensor-parallel sizes that fit: {fits}"
+        )
+
+
 def _check_parallelism(cfg: Any) -> None:
-    """One scheduler, one TP rank, page size 1 (accepted nodes are moved by permuting slot ids)."""
-    for name, flag in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size")):
-        value = getattr(cfg, name)
-        if value is not None and int(value) != 1:
-            raise ValueError(f"{ALGORITHM} supports {flag} 1 only, got {value}")
+    """Tensor parallel (`--tp-size`, rank 0 plans: `rank_sync`) and data parallel (`--dp-size`, one worker per
+    replica) are served; pipeline parallel and DP attention are not; page size 1 (accepted nodes are moved
+    by permuting slot ids)."""
+    pp_size = cfg.pp_size
+    if pp_size is not None and int(pp_size) != 1:
+        raise ValueError(
+            f"{ALGORITHM} supports --pp-size 1 only, got {pp_size}: a decode step drafts from the target's "
+            "hidden states of the drafter's layers and verifies with the last layer's logits in one pass, "
+            "while pipeline stages hold disjoint layers (SGLang's DFlash has the same limit). Use --tp-size"
+        )
+    attn_dp_size = cfg.attn_dp_size
+    if attn_dp_size is not None and int(attn_dp_size) != 1:
+        raise ValueError(
+            f"{ALGORITHM} does not support DP attention (--attn-dp-size {attn_dp_size}): its ranks verify "
+            "one batch in lockstep. Use --dp-size for independent replicas"
+        )
     page_size = cfg.page_size
     if page_size is not None and int(page_size) != 1:
         raise ValueError(

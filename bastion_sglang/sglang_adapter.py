@@ -11,7 +11,8 @@ What goes through this module (decided per kind):
   overrides, and every hook target (`CPU_HOOKS`, `REGISTRATION_HOOKS`): declared, and read or called only
   through the functions below;
 - the SGLang internals the glue modules import (worker, spec_input, graphs, cpu_support, metrics,
-  request_penalties): declared and re-exported from here, so the glue imports them from this module;
+  request_penalties, rank_sync): declared and re-exported from here, so the glue imports them from this
+  module;
 - calibration's measurement engine set-up (`MEASUREMENT_INTERNALS`: ServerArgs, ModelRunner construction, the
   benchmark prefill): declared and checked by `require` when that engine opens, but not imported here,
   since `sglang.benchmark.one_batch` loads SGLang's whole engine entry point into the serving process.
@@ -118,6 +119,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
         "req_to_token_pool",
     ),
     *_internals("sglang.srt.layers.logprob_processor", "compute_spec_logprobs"),
+    *_internals("sglang.srt.layers.dp_attention", "get_dp_tp_group"),
     *_internals("sglang.srt.managers.utils", "GenerationBatchResult"),
     *_internals(_FORWARD, "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "enable_num_token_non_padded"),
     *_members(_FORWARD, "ForwardBatch", "init_new", "mark_forward_metadata_ready"),
@@ -318,6 +320,7 @@ require((*SERVING_INTERNALS, *CPU_HOOKS, *REGISTRATION_HOOKS))
 
 from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES, add_draft_attention_backend_choices
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -384,6 +387,7 @@ __all__ = [
     "get_available_gpu_memory",
     "get_context",
     "get_disagg",
+    "get_dp_tp_group",
     "get_exec",
     "get_observability",
     "get_parallel",

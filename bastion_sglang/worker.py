@@ -67,6 +67,7 @@ from bastion_sglang.metrics import (
     SpeedupLedger,
     scheduler_metric_labels,
 )
+from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
 from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
 from bastion_sglang.sglang_adapter import (
     CaptureHiddenMode,
@@ -255,7 +256,9 @@ class BastionWorker(DFlashWorkerV2):
         self._sampling_backend = str(get_exec().kernel.sampling_backend)  # resolved by SGLang's server args
         kernels.filter_rule(self._sampling_backend, False, False)  # refuses a backend it cannot reproduce
         self._penalty_order = sglang_penalty_order()
-        self._lm_head_weight = target_worker.model_runner.model.lm_head.weight[: self._vocab_size]
+        group = scheduler_group()  # None with one TP rank
+        self._rank_sync = RankSync(group)
+        self._draft_head = DraftHead.of(target_worker.model_runner.model.lm_head, self._vocab_size, group)
         self._embed = sgl.resolve_dflash_embedding_module(self.draft_model, target_worker.model_runner.model)
         self._noise_scale = sgl.noise_embed_scale(self)
         self._graph_widths = planned_graph_widths(torch.device(self.device), self.config.width_buckets)
@@ -352,7 +355,7 @@ class BastionWorker(DFlashWorkerV2):
         greedy = [is_greedy(req) for req in batch.reqs]
         costs = self._step_costs(contexts)
         drafting = True
-        if self.config.policy.may_decline:
+        if self.config.policy.may_decline and self._rank_sync.leads:
             full_accept = self._full_accept
             ceiling = (
                 None
@@ -360,6 +363,7 @@ class BastionWorker(DFlashWorkerV2):
                 else lambda: speculation_ceiling(full_accept, contexts, self.latency, costs)
             )
             drafting = self._gate.should_draft(ceiling)
+        drafting = self._rank_sync.share_drafting(drafting)  # drafting is a collective under TP
         top: kernels.DraftTopK | None = None
         if drafting:
             with self._timer.stage("draft"):
@@ -368,7 +372,7 @@ class BastionWorker(DFlashWorkerV2):
                     draft_logits = self._rewriter(batch.reqs, draft_logits)
                 top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
-            if top is None:
+            if top is None or not self._rank_sync.leads:  # other TP ranks take rank 0's rows below
                 trees, scales = DraftTreeBatch.empty(bs, self.device), [1.0] * bs
                 plan = plain_plan(bs, costs.l_ar)
             else:
@@ -390,7 +394,11 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 self._gate.record(plan.speculative_speedup)
                 self._full_accept = plan.full_accept
-            width = plan.width
+            # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
+            rows = self._rank_sync.share_rows(
+                kernels.flatten_trees(trees, draft_input.bonus_tokens, plan.width), drafting
+            )
+            width = rows.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)
             self._speedups.plan(self._step_index, costs.l_ar, bs)
@@ -405,7 +413,6 @@ class BastionWorker(DFlashWorkerV2):
                     self.latency.calibrated,
                     mode,
                 )
-            rows = kernels.flatten_trees(trees, draft_input.bonus_tokens, width)
             window = prefix[:, None] + self._width_offsets[: shape.width]  # [B, W_v] req_to_token columns
             slots = req_to_token[rows_index, window].to(torch.int64)  # [B, W_v] KV slots, padding last
             # a plain step with no grammar decodes as SGLang does: no verify layout, mask or grammar tree
@@ -563,8 +570,7 @@ class BastionWorker(DFlashWorkerV2):
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(forward_batch)
             hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
-            weight = self._lm_head_weight
-            return torch.matmul(hidden.to(weight.dtype), weight.T)
+            return self._draft_head(hidden)
 
     def _runs_plain_decode(self) -> bool:
         """Whether a plain step (no draft node) runs SGLang's own DECODE forward: where the target replays no

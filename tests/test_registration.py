@@ -161,6 +161,15 @@ def test_resolution_sets_the_verify_width_and_turns_overlap_off(models: dict[str
     assert view.speculative_draft_attention_backend == "torch_native"
 
 
+@pytest.mark.parametrize(("tp_size", "dp_size"), [(2, 1), (1, 2), (2, 2)])
+def test_tensor_and_data_parallel_resolve(models: dict[str, Path], tp_size: int, dp_size: int) -> None:
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    view = resolved_view(_resolve(_argv(models, "--tp-size", str(tp_size), "--dp-size", str(dp_size))))
+    assert (view.tp_size, view.dp_size, view.attn_dp_size) == (tp_size, dp_size, 1)
+    assert view.speculative_num_draft_tokens is not None
+
+
 def test_flags_without_the_algorithm_are_refused(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="--bastion-topk need --speculative-algorithm BASTION"):
         prepare_server_args(["--model-path", str(models["target"]), "--bastion-topk", "3"])
@@ -207,6 +216,13 @@ def test_missing_profile_is_refused_naming_the_file(models: dict[str, Path], tmp
         (("--page-size", "16"), "BASTION needs --page-size 1"),
         (("--speculative-num-draft-tokens", "16"), "--bastion-max-budget 15"),
         (("--context-length", "64", "--bastion-max-budget", "40"), "more than half the context length 64"),
+        (("--pp-size", "2"), "BASTION supports --pp-size 1 only, got 2: a decode step drafts"),
+        (("--attn-dp-size", "2", "--tp-size", "2"), "BASTION does not support DP attention"),
+        (
+            ("--tp-size", "3"),
+            r"--tp-size 3: the target's 4 attention heads \(2 KV heads\) do not split over 3 ranks; "
+            r"tensor-parallel sizes that fit: \[1, 2, 4\]",
+        ),
     ],
 )
 def test_unsupported_setups_are_refused_at_resolution(

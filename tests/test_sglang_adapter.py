@@ -92,7 +92,7 @@ def test_every_hook_registration_makes_is_declared() -> None:
 
 def test_glue_takes_sglang_internals_from_the_adapter() -> None:
     """Outside the adapter and registration's plugin hooks, glue modules import SGLang only for types."""
-    glue = ("worker", "spec_input", "graphs", "cpu_support", "metrics", "request_penalties")
+    glue = ("worker", "spec_input", "graphs", "cpu_support", "metrics", "request_penalties", "rank_sync")
     for name in glue:
         path = ROOT / "bastion_sglang" / f"{name}.py"
         tree = ast.parse(path.read_text())
