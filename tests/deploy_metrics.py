@@ -25,9 +25,10 @@ DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "bastion.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$instance": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$instance": ".*", "$dp_rank": ".*"}
 """Grafana template variables of the dashboard and what stands for each when Prometheus runs a query:
-the rate window, and "all" for the two regex selectors (`=~`)."""
+the rate window, and "all" for the three regex selectors (`=~`; ".*" also matches a series without the
+label, as a server without --dp-size exports)."""
 
 BASTION_METRICS = frozenset(
     {

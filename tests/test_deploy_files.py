@@ -41,6 +41,8 @@ DOCKERFILE_CPU = DEPLOY / "Dockerfile.cpu"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_CPU = DEPLOY / "compose.cpu.yaml"
 K8S = DEPLOY / "k8s"
+K8S_MULTI_GPU = DEPLOY / "k8s-multi-gpu"
+"""The tensor-parallel variant: a kustomize overlay of K8S (one pod, --tp-size over its GPUs)."""
 KUSTOMIZATIONS = (K8S, K8S / "calibrate")
 """The server with its monitoring objects, and the calibration Job (applied on its own)."""
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
@@ -339,6 +341,68 @@ def test_k8s_server_probes_health_on_the_exposed_port_behind_the_service() -> No
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
 
 
+def _strategic_merge(base: Any, patch: Any) -> Any:
+    """Kubernetes' strategic merge for what the overlay patches: maps merge key by key, lists of named
+    objects (containers, volumes) merge by name, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _strategic_merge(base[key], value) if key in base else value
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in item for item in base + patch):
+        by_name = {item["name"]: item for item in base}
+        for item in patch:
+            by_name[item["name"]] = _strategic_merge(by_name.get(item["name"], {}), item)
+        return list(by_name.values())
+    return patch
+
+
+def _multi_gpu_objects() -> dict[str, dict[str, Any]]:
+    """kind -> object of the multi-GPU overlay: the server objects of K8S with the overlay's patches."""
+    kustomization = _yaml_documents(K8S_MULTI_GPU / "kustomization.yaml")[0]
+    assert kustomization["resources"] == ["../k8s"]
+    objects = {kind: obj for kind, obj in _k8s_objects().items() if kind != "Job"}
+    for entry in kustomization["patches"]:
+        (patch,) = _yaml_documents(K8S_MULTI_GPU / entry["path"])
+        base = objects[patch["kind"]]
+        assert base["metadata"]["name"] == patch["metadata"]["name"], entry["path"]
+        objects[patch["kind"]] = _strategic_merge(base, patch)
+    return objects
+
+
+def _resource_quantity(value: str | int) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    text = str(value)
+    return float(text[:-2]) * units[text[-2:]] if text[-2:] in units else float(text)
+
+
+def test_k8s_multi_gpu_variant_gives_the_pod_one_gpu_per_tensor_parallel_rank() -> None:
+    objects = _multi_gpu_objects()
+    version = kubernetes_validate.latest_version()
+    for kind in ("ConfigMap", "Deployment"):
+        kubernetes_validate.validate(objects[kind], version, strict=True)
+    server_args = objects["ConfigMap"]["data"]["SERVER_ARGS"].split()
+    tp_size = int(server_args[server_args.index("--tp-size") + 1])
+    assert tp_size > 1
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == tp_size
+    assert _resource_quantity(resources["requests"]["memory"]) <= _resource_quantity(
+        resources["limits"]["memory"]
+    )
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    base_shm = {v["name"]: v for v in _k8s_objects()["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    assert _resource_quantity(shm["sizeLimit"]) >= _resource_quantity(
+        base_shm[mounts["/dev/shm"]]["emptyDir"]["sizeLimit"]
+    )
+    assert {"profiles", "hf-cache"} <= set(volumes), "the base pod's other volumes stay"
+    assert container["image"] == _image() and container["startupProbe"]["httpGet"]["path"] == "/health"
+
+
 def test_k8s_monitoring_matches_the_prometheus_files() -> None:
     objects = _k8s_objects()
     alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
@@ -386,6 +450,35 @@ def test_dashboard_covers_every_bastion_series_and_sglang_throughput() -> None:
     assert families <= used_families, families - used_families
     assert "sglang:bastion_tree_nodes_bucket" in used, "the budget heatmap and quantiles read the buckets"
     assert {"sglang:generation_tokens_total", "sglang:spec_accept_length"} <= used
+
+
+def test_dashboard_shows_data_parallel_replicas_side_by_side() -> None:
+    """A `dp_rank` variable (All also matches servers without --dp-size) filters every panel, and a row of
+    panels draws one line per replica."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+    replica = variables["dp_rank"]
+    assert replica["includeAll"] and replica["allValue"] == ".*"
+    assert replica["query"]["query"].endswith(", dp_rank)")
+    targets = [target for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    for target in targets:
+        selectors = re.findall(r"\{[^}]*\}", target["expr"].replace("{{", "").replace("}}", ""))
+        assert selectors and all('dp_rank=~"$dp_rank"' in selector for selector in selectors), target["expr"]
+    side_by_side = [
+        target
+        for target in targets
+        if "sum by (dp_rank)" in target["expr"] and target["legendFormat"] == "replica {{dp_rank}}"
+    ]
+    shown = set().union(*(metric_names(_grafana_free(target["expr"])) for target in side_by_side))
+    assert {
+        "sglang:generation_tokens_total",
+        "sglang:bastion_tree_nodes_count",
+        "sglang:bastion_accept_length_count",
+    } <= shown
+
+
+def _grafana_free(expr: str) -> str:
+    return expr.replace("$__rate_interval", "1m").replace("$", "")
 
 
 @pytest.mark.parametrize("source", ["dashboard", "alerts"])
