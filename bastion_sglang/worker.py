@@ -53,6 +53,7 @@ from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
 from bastion_sglang.draft_protocols import load_draft_logits_rewriter
 from bastion_sglang.graph_buckets import (
     VerifyPass,
@@ -284,6 +285,7 @@ class BastionWorker(DFlashWorkerV2):
         self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
+        self._deferred_context = DeferredDraftContext()  # drafter KV rows of steps that skipped the drafter
         self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (
@@ -327,6 +329,7 @@ class BastionWorker(DFlashWorkerV2):
         """Prefill (SGLang's DFlash path, which also fills the drafter KV) or one BASTION decode step."""
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self._last_decode_end = None  # the next decode step does not follow a decode step
+            self._write_context(self._deferred_context.take())
             result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
             result.next_draft_input = BastionDraftInput(
                 bonus_tokens=result.next_token_ids.to(torch.int64),
@@ -367,6 +370,7 @@ class BastionWorker(DFlashWorkerV2):
         top: kernels.DraftTopK | None = None
         if drafting:
             with self._timer.stage("draft"):
+                self._write_context(self._deferred_context.take())  # the drafter reads every committed token
                 draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
                 if self._rewriter is not None:
                     draft_logits = self._rewriter(batch.reqs, draft_logits)
@@ -472,17 +476,23 @@ class BastionWorker(DFlashWorkerV2):
             new_seq_lens = prefix + commit_lens.to(torch.int64)
         with self._timer.stage("commit"):
             real_window = window[:, :width]  # [B, W]: padding slots stay uncommitted in the reserve
-            compacted = slots[:, :width].gather(1, order)
-            req_to_token[rows_index, real_window] = compacted.to(req_to_token.dtype)
             hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
-            path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
-            sgl.append_target_hidden_to_draft_kv(
-                self,
-                target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
-                cache_loc_2d=compacted,
-                positions=real_window.reshape(-1),
-                commit_lens=commit_lens,
-            )
+            if top is None:  # one token per request, already in place: its drafter KV can wait
+                if self._deferred_context.due(batch.reqs):
+                    self._write_context(self._deferred_context.take())
+                rows_held = ContextRows(hidden[:, 0].clone(), slots[:, 0], real_window[:, 0])
+                self._deferred_context.defer(batch.reqs, rows_held)
+            else:
+                compacted = slots[:, :width].gather(1, order)
+                req_to_token[rows_index, real_window] = compacted.to(req_to_token.dtype)
+                path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
+                sgl.append_target_hidden_to_draft_kv(
+                    self,
+                    target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+                    cache_loc_2d=compacted,
+                    positions=real_window.reshape(-1),
+                    commit_lens=commit_lens,
+                )
             logits_output.hidden_states = None
             if batch.return_logprob:
                 chain_logits = next_logits.view(bs, width, -1).gather(
@@ -642,6 +652,17 @@ class BastionWorker(DFlashWorkerV2):
         return result
 
     # ---- bookkeeping -----------------------------------------------------------------------------
+
+    def _write_context(self, rows: ContextRows | None) -> None:
+        """Write held context rows (`draft_context`) into the drafter KV, one token per row; None: nothing."""
+        if rows is not None:
+            sgl.append_target_hidden_to_draft_kv(
+                self,
+                target_hidden=rows.hidden,
+                cache_loc_2d=rows.slots[:, None],
+                positions=rows.positions,
+                commit_lens=torch.ones_like(rows.slots, dtype=torch.int32),
+            )
 
     def _seed_for(self, req: Req) -> int:
         """Seed of the request's sampling walk: its sampling_seed, else one drawn from the server seed; as

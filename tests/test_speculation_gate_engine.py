@@ -10,11 +10,16 @@ counters (`sglang:bastion_decode_steps_total{mode}`) say how its steps went:
 - wrong: after the first probes the drafter is skipped (most steps draft nothing);
 - switching: both speculative and skipped steps (the gate backs off, then resumes);
 and every output equals the Engine without speculation, token for token.
+
+Steps that skip the drafter write their tokens' drafter KV late (`draft_context`). The oracle records the
+drafter's own logits (before its boost) for the switching prompts, here and in an Engine that drafts at every
+step (fixed:16, drafter KV written at once): at every (prompt, tokens emitted) both drafted, they agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +28,9 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
-from oracle_drafter import write_references  # noqa: E402
+from oracle_drafter import load_records, write_references  # noqa: E402
 
+from bastion_sglang.config import BastionConfig  # noqa: E402
 from bastion_sglang.registration import make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,6 +43,8 @@ STEPS_METRIC = "sglang:bastion_decode_steps"
 MODES = ("speculative", "declined", "skipped")
 WARMUP_STEPS = 6
 """Plain steps allowed while a fresh Engine's online corrections learn the machine."""
+DRAFT_LOGIT_TOL = 1e-3
+"""fp32 drafter logits from drafter KV written late vs at once (batches of different shapes)."""
 
 
 def decode_steps(directory: Path) -> dict[str, float]:
@@ -71,11 +79,9 @@ def reference(models: tuple[Path, Path]) -> list[list[int]]:
 Call = tuple[list[list[int]], dict[str, float]]
 
 
-@pytest.fixture(scope="module")
-def bastion(
-    models: tuple[Path, Path], reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Call]]:
-    root = tmp_path_factory.mktemp("gate_run")
+def oracle_config(root: Path, reference: list[list[int]], policy: str, records: Path) -> BastionConfig:
+    """BASTION with the oracle drafter of the module docstring (`reference`: the outputs without
+    speculation), recording the switching prompts' drafter logits into `records`."""
     oracle = write_references(
         root / "oracle.json",
         PROMPTS,
@@ -83,12 +89,30 @@ def bastion(
         wrong_prompts=[PROMPTS[i] for i in WRONG],
         switch_prompts=[PROMPTS[i] for i in SWITCHING],
         switch_period=SWITCH_PERIOD,
+        record_dir=records,
+        record_prompts=[PROMPTS[i] for i in SWITCHING],
     )
-    config = dataclasses.replace(
-        make_config(policy="adaptive", max_budget=16, topk=4),
+    return dataclasses.replace(
+        make_config(policy=policy, max_budget=16, topk=4),
         draft_proposer="oracle_drafter:make_oracle",
         draft_proposer_arg=str(oracle),
     )
+
+
+@pytest.fixture(scope="module")
+def gate_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of the adaptive Engine's run: its oracle file, metrics and drafter records."""
+    return tmp_path_factory.mktemp("gate_run")
+
+
+@pytest.fixture(scope="module")
+def bastion(
+    models: tuple[Path, Path], reference: list[list[int]], gate_root: Path
+) -> Iterator[dict[str, Call]]:
+    root = gate_root
+    records = root / "records"
+    records.mkdir()
+    config = oracle_config(root, reference, "adaptive", records)
     metrics_dir = root / "metrics"
     metrics_dir.mkdir()
     # prometheus_client's multiprocess mode reads the folder from the environment whenever a series is
@@ -109,6 +133,9 @@ def bastion(
                 after = decode_steps(metrics_dir)
                 steps = {mode: after[mode] - before[mode] for mode in MODES}
                 calls[name] = ([out["output_ids"] for out in outputs], steps)
+                if name == "switching":  # the "all" call drafts the same prompts again: keep these apart
+                    records.rename(root / "switching_records")
+                    records.mkdir()
             yield calls
         finally:
             engine.shutdown()
@@ -148,3 +175,45 @@ def test_a_drafter_that_never_matches_is_skipped(bastion: dict[str, Call]) -> No
 def test_switching_text_moves_between_skipping_and_speculating(bastion: dict[str, Call]) -> None:
     steps = bastion["switching"][1]
     assert steps["skipped"] > 0 and steps["speculative"] > 0, steps
+
+
+@pytest.fixture(scope="module")
+def always_drafting(
+    models: tuple[Path, Path], reference: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The switching prompts in an Engine that drafts at every step: the folder of its drafter records."""
+    root = tmp_path_factory.mktemp("always_drafting")
+    records = root / "records"
+    records.mkdir()
+    config = oracle_config(root, reference, "fixed:16", records)
+    engine = sglang.Engine(server_args=engine_server_args(models, config))
+    try:
+        outputs = engine.generate(input_ids=[PROMPTS[i] for i in SWITCHING], sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+    _assert_equal([out["output_ids"] for out in outputs], reference, SWITCHING)
+    return records
+
+
+def test_drafter_context_written_late_equals_written_at_once(
+    bastion: dict[str, Call], always_drafting: Path, gate_root: Path
+) -> None:
+    """At every (prompt, tokens emitted) where both Engines drafted, the drafter's own logits [15, V] agree
+    within DRAFT_LOGIT_TOL; among them are passes right after skipped steps (in a wrong stretch, where a
+    drafted step emits one token, a gap of more than one token since the last drafter pass), which read
+    drafter KV the skipped steps wrote late."""
+    late, at_once = load_records(gate_root / "switching_records"), load_records(always_drafting)
+    shared = sorted(late.keys() & at_once.keys())
+    after_skips = 0
+    for prompt in {prompt for prompt, _ in late}:
+        emitted = sorted(count for p, count in late if p == prompt)
+        after_skips += sum(
+            1
+            for previous, count in itertools.pairwise(emitted)
+            if count - previous > 1 and (count // SWITCH_PERIOD) % 2 == 1 and (prompt, count) in at_once
+        )
+    assert after_skips >= len(SWITCHING), (after_skips, len(shared))
+    worst = max(float((late[key] - at_once[key]).abs().max()) for key in shared)
+    assert worst <= DRAFT_LOGIT_TOL, worst
+    spread = max(float((late[key] - late[shared[0]]).abs().max()) for key in shared)
+    assert spread > 100 * DRAFT_LOGIT_TOL  # the logits move from step to step: the check has teeth
