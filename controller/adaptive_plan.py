@@ -127,41 +127,36 @@ def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: 
     push, pop, exp = heapq.heappush, heapq.heappop, math.exp
     heap: list[HeapEntry] = [(-firsts[0], 1, ((), 0), ROOT, firsts[0])]
     scores: list[float] = []
-    popped: list[HeapEntry] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    ranks: list[int] = []
     seconds: list[float] = []
-    drafted, previous = 0.0, -math.inf
+    covered, drafted, previous = 0, 0.0, -math.inf
     for index in range(limit):
-        if index == len(seconds):
+        if index == covered:
             seconds = cycle.cover(min(limit, index + COST_CHUNK)).tolist()
-        entry = pop(heap)
-        _, depth, path, parent, score = entry
+            covered = len(seconds)
+        _, depth, path, parent, score = pop(heap)
+        up, last = path
         scores.append(score)
-        popped.append(entry)
+        parents.append(parent)
+        depths.append(depth)
+        ranks.append(last)
         drafted += exp(score)
         estimate = (1.0 + drafted) * l_ar / seconds[index]
-        if (estimate < previous or index + 1 == limit) and (
-            stop := _first_drop_within(np.array(scores), cycle.cover(index + 1), l_ar)
-        ) is not None:
-            return _host_nodes(scores[:stop], popped[:stop])
+        if estimate < previous or index + 1 == limit:
+            prefix = np.array(scores)
+            stop = _first_drop_within(prefix, cycle.cover(index + 1), l_ar)
+            if stop is not None:
+                return HostNodes.of_lists(prefix[:stop], parents[:stop], depths[:stop], ranks[:stop])
         previous = estimate
-        up, last = path
         if last + 1 < width:
             sibling = (0.0 if parent == ROOT else scores[parent]) + item(depth - 1, last + 1)
             push(heap, (-sibling, depth, (up, last + 1), parent, sibling))
         if depth < depth_count:
             child = score + firsts[depth]
             push(heap, (-child, depth + 1, (path, 0), index, child))
-    return _host_nodes(scores, popped) if limit == n_max else None
-
-
-def _host_nodes(scores: list[float], popped: list[HeapEntry]) -> HostNodes:
-    """HostNodes of the heap's pops, in order. scores: [m] their scores; popped: [m] their heap entries."""
-    return HostNodes(
-        scores=np.array(scores),
-        parents=np.array([entry[3] for entry in popped], dtype=np.int64),
-        depths=np.array([entry[1] for entry in popped], dtype=np.int64),
-        ranks=np.array([entry[2][1] for entry in popped], dtype=np.int64),
-    )
+    return HostNodes.of_lists(scores, parents, depths, ranks) if limit == n_max else None
 
 
 def _chunks_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes:

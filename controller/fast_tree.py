@@ -101,6 +101,19 @@ class HostNodes:
     def __len__(self) -> int:
         return int(self.scores.shape[0])
 
+    @classmethod
+    def of_lists(
+        cls, scores: np.ndarray | list[float], parents: list[int], depths: list[int], ranks: list[int]
+    ) -> HostNodes:
+        """HostNodes of n nodes given as Python lists (the heap's pops, in order; scores may be a [n] float64
+        array already)."""
+        return cls(
+            scores=np.asarray(scores, dtype=np.float64),
+            parents=np.array(parents, dtype=np.int64),
+            depths=np.array(depths, dtype=np.int64),
+            ranks=np.array(ranks, dtype=np.int64),
+        )
+
     def head(self, n: int) -> HostNodes:
         """The first n nodes: a prefix of a best-first order is itself a prefix-closed tree."""
         return HostNodes(self.scores[:n], self.parents[:n], self.depths[:n], self.ranks[:n])
