@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         help="sglang: triton | flashinfer | torch_native; reference: sdpa | eager (default: see below)",
     )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (BASTION supports 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (calibration measures 1)")
     parser.add_argument(
         "--max-context",
         type=int,
@@ -257,7 +257,7 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("the calibration plot needs matplotlib: pip install 'bastion-sglang[plot]'")
     if args.tp != 1:
-        raise ValueError(f"--tp {args.tp}: BASTION runs with tensor-parallel size 1 only")
+        raise ValueError(f"--tp {args.tp}: calibration measures tensor-parallel size 1 only")
     device = detect_device(args.device)
     engine = choose_engine(args.engine, device)
     backend = choose_attention_backend(args.attention_backend, engine, device)

@@ -201,7 +201,7 @@ def test_profile_list_of_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--tp", "2"], "--tp 2: BASTION runs with tensor-parallel size 1 only"),
+        (["--tp", "2"], "--tp 2: calibration measures tensor-parallel size 1 only"),
         (["--engine", "reference", "--attention-backend", "triton"], "not a reference-engine backend"),
         (["--max-context", "32"], "--max-context must be an int >= 64, got 32"),
         (["--widths", "8", "4"], "--widths must be at least two sorted"),
