@@ -2,8 +2,9 @@
 
 Each rank plans the same drafted trees with its own measured step costs, skewed by rank the way a slow or
 busy TP rank skews them: rank 1 measures a drafter pass 50x slower and verify passes 20x slower. Planned
-locally, the two ranks choose different verify widths (and rank 1's gate would skip drafting): verifying
-their own plans, they would run different collectives. Through `RankSync` both ranks verify rank 0's
+locally, the two ranks choose different verify widths, and only rank 0's best tree pays for its drafter
+pass (the test of the speculation gate's ceiling): drafting and verifying their own plans, they would run
+different collectives. Through `RankSync` both ranks verify rank 0's
 rows. `DraftHead` gathers each rank's vocabulary shard of the LM head into the full draft logits.
 """
 
@@ -58,7 +59,8 @@ class WorldGroup:
 
 
 def _local_rows(rank: int) -> tuple[bool, kernels.TreeBatch]:
-    """What `rank` would draft and verify on its own: its gate's answer and its planned verify rows."""
+    """What `rank` would do on its own: whether its best tree beats plain decoding (what the gate's ceiling
+    tests) and its planned verify rows."""
     generator = torch.Generator().manual_seed(11)  # the drafted trees are the same on every rank
     logits = 4.0 * torch.randn(BATCH, 15, 64, generator=generator, dtype=torch.float64)
     top = torch.log_softmax(logits, -1).topk(4, -1)
@@ -116,7 +118,7 @@ def test_ranks_with_skewed_step_times_verify_rank_zeros_tree(tmp_path: Path) -> 
     first, second = _run_ranks(tmp_path)
     assert (first["leads"], second["leads"]) == (True, False)
 
-    # without the broadcast the ranks would disagree: rank 1's own gate skips, its own plan is narrower
+    # without the broadcast the ranks would disagree: rank 1's best tree does not pay, its plan is narrower
     assert first["wants_draft"] and not second["wants_draft"]
     local_widths = [rank["local"][0].shape[1] for rank in (first, second)]
     assert local_widths[0] > local_widths[1], local_widths
