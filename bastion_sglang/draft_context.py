@@ -77,9 +77,7 @@ class DeferredDraftContext:
         when nothing is held.
         """
         if rows.hidden.shape[0] != len(reqs):
-            raise ValueError(
-                f"one row per request: {rows.hidden.shape[0]} rows for {len(reqs)} requests"
-            )
+            raise ValueError(f"one row per request: {rows.hidden.shape[0]} rows for {len(reqs)} requests")
         requests = tuple(id(req) for req in reqs)
         if self._steps and requests != self._requests:
             raise ValueError("deferred steps must come from one batch; write the held rows first (`take`)")
