@@ -3,8 +3,9 @@
 Shared by the HTTP server tests on CPU (`test_sglang_server.py`, `test_server_hardening.py`) and on CUDA
 (`gpu/test_sglang_cuda.py`). `launch_server`: the server runs in its own process group, writes stdout and
 stderr to `log`, and is ready when `/health_generate` answers 200 (a real generation passed through the
-scheduler). `metric_values` / `metric_total` read `/metrics` (Prometheus text); `hf_greedy` is the
-non-speculative answer the servers are compared with (Hugging Face `generate()` on the same fp32 weights).
+scheduler). `generate_greedy` makes one greedy /generate call; `metric_values` / `metric_total` read
+`/metrics` (Prometheus text); `hf_greedy` is the non-speculative answer the servers are compared with
+(Hugging Face `generate()` on the same fp32 weights).
 """
 
 from __future__ import annotations
@@ -120,6 +121,22 @@ def metric_total(url: str, name: str) -> float:
     """Sum over label sets of one series on the server's /metrics (0 when absent)."""
     text = requests.get(f"{url}/metrics", timeout=60).text
     return sum(value for _, value in metric_values(text, name))
+
+
+def generate_greedy(
+    url: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, timeout: float = 300
+) -> list[list[int]]:
+    """Output ids of one greedy /generate call for `prompts` (ignore_eos: exactly max_new_tokens each)."""
+    response = requests.post(
+        f"{url}/generate",
+        json={
+            "input_ids": [list(prompt) for prompt in prompts],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        },
+        timeout=timeout,
+    )
+    response.raise_for_status()
+    return [out["output_ids"] for out in response.json()]
 
 
 def hf_greedy(target: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

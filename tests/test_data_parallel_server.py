@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_server import CPU_FLAGS, hf_greedy, launch_server, metric_values
-from tiny_models import make_tiny_drafter, make_tiny_target
+from engine_support import make_model_pair
+from sglang_server import CPU_FLAGS, generate_greedy, hf_greedy, launch_server, metric_values
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,7 @@ FIXED_NODES = 3
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("bastion_dp")
-    target = make_tiny_target(root / "target", vocab_size=260, initializer_range=0.1)
-    return target, make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2])
+    return make_model_pair(tmp_path_factory.mktemp("bastion_dp"))
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +54,7 @@ def server(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def greedy(server: str) -> list[list[int]]:
-    response = requests.post(
-        f"{server}/generate",
-        json={
-            "input_ids": PROMPTS,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
-        },
-        timeout=300,
-    )
-    response.raise_for_status()
-    return [out["output_ids"] for out in response.json()]
+    return generate_greedy(server, PROMPTS, MAX_NEW_TOKENS)
 
 
 def test_greedy_over_two_replicas_equals_hugging_face(

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("sglang")
 requests = pytest.importorskip("requests")
 
-from sglang_server import CPU_FLAGS, hf_greedy, launch_server, metric_values  # noqa: E402
+from sglang_server import CPU_FLAGS, generate_greedy, hf_greedy, launch_server, metric_values  # noqa: E402
 from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,16 +62,7 @@ def server(models: tuple[Path, Path], server_log: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def greedy(server: str) -> list[list[int]]:
-    response = requests.post(
-        f"{server}/generate",
-        json={
-            "input_ids": PROMPTS,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
-        },
-        timeout=300,
-    )
-    response.raise_for_status()
-    return [out["output_ids"] for out in response.json()]
+    return generate_greedy(server, PROMPTS, MAX_NEW_TOKENS)
 
 
 def test_greedy_over_http_equals_hugging_face(greedy: list[list[int]], models: tuple[Path, Path]) -> None:

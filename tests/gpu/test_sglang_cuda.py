@@ -19,7 +19,7 @@ requests = pytest.importorskip("requests")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from sglang_server import launch_server  # noqa: E402
+from sglang_server import generate_greedy, launch_server  # noqa: E402
 from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
 
 PROMPTS = [list(text.encode()) for text in ("hello world", "the quick brown fox", "abc", "once upon a time")]
@@ -56,16 +56,7 @@ def _generate(
             *bastion,
         ]
     with launch_server(args, log, startup_seconds=STARTUP_SECONDS, stop_seconds=120) as server:
-        response = requests.post(
-            f"{server.url}/generate",
-            json={
-                "input_ids": PROMPTS,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
-            },
-            timeout=600,
-        )
-        response.raise_for_status()
-        return [out["output_ids"] for out in response.json()]
+        return generate_greedy(server.url, PROMPTS, MAX_NEW_TOKENS, timeout=600)
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_DTYPES))
