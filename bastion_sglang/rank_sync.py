@@ -10,9 +10,10 @@ device group (NCCL on CUDA, gloo on CPU) the verify rows.
 
 Per decode step, with B requests, verify width W (root + W - 1 draft nodes per request), drafter block
 γ, padded vocabulary V_pad (the LM head's rows over all ranks) and N ranks:
-1. before drafting, rank 0 → all, cpu group: draft or skip, int64 [1] (8 bytes);
-2. drafting, all ↔ all, device group: the draft logits, each rank's vocabulary shard [B, γ-1, V_pad / N]
-   all-gathered to [B, γ-1, V_pad] (B·(γ-1)·V_pad elements of the model dtype on every rank);
+1. before drafting, rank 0 → all, cpu group: the draft horizon h (positions the LM head scores,
+   `controller.horizon`; 0: skip the drafter), int64 [1] (8 bytes);
+2. drafting, all ↔ all, device group: the draft logits, each rank's vocabulary shard [B, h, V_pad / N]
+   all-gathered to [B, h, V_pad] (B·h·V_pad elements of the model dtype on every rank);
 3. after planning a drafted step, rank 0 → all, cpu group: W, int64 [1] (8 bytes; 1 = plain decoding);
 4. when W > 1, rank 0 → all, device group: the verify rows, int64 [3, B, W] (tokens, parents, depths:
    24·B·W bytes).
@@ -75,9 +76,9 @@ class RankSync:
         """Whether this rank plans: rank 0 of the group, or the only rank."""
         return self._group is None or self._group.rank_in_group == LEADER
 
-    def share_drafting(self, drafting: bool) -> bool:
-        """Rank 0's draft-or-skip decision for this step (what other ranks pass is ignored)."""
-        return bool(self._share_int(int(drafting)))
+    def share_horizon(self, horizon: int) -> int:
+        """Rank 0's draft horizon for this step, 0 to skip the drafter (what other ranks pass is ignored)."""
+        return self._share_int(horizon)
 
     def share_rows(self, rows: TreeBatch, drafted: bool) -> TreeBatch:
         """Rank 0's verify rows for this step.

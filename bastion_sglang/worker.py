@@ -2,8 +2,9 @@
 
 One decode step for a batch of B requests (each with prefix L_b and root = its bonus token):
 1. draft: the DFlash drafter runs on [root, MASK x (γ-1)] at positions L_b..L_b+γ-1 (SGLang's DFlash
-   draft path); the target's LM head turns positions 1..γ-1 into logits [B, γ-1, V];
-   `kernels.topk_logprobs` keeps K candidates per position.
+   draft path); the target's LM head turns positions 1..h into logits [B, h, V], h <= γ-1 the draft
+   horizon (`controller.horizon`: as deep as the recent trees went); `kernels.topk_logprobs` keeps K
+   candidates per position.
 2. plan: `controller.build_trees` (best-first, N_max nodes), `controller.plan_batch` (one width W for the
    batch), `kernels.flatten_trees` / `build_verify_layout` / `flat_custom_mask`.
 3. verify: the target's TARGET_VERIFY forward over the B x W tokens, slots req_to_token[r, L : L + W].
@@ -48,6 +49,7 @@ from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
 from bastion_sglang.controller.gate import SpeculationGate, speculation_ceiling
+from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
@@ -285,6 +287,7 @@ class BastionWorker(DFlashWorkerV2):
         self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
+        self._horizon = DraftHorizon(block_size - 1)  # drafted positions the LM head scores
         self._deferred_context = DeferredDraftContext()  # drafter KV rows of steps that skipped the drafter
         self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
@@ -366,12 +369,13 @@ class BastionWorker(DFlashWorkerV2):
                 else lambda: speculation_ceiling(full_accept, contexts, self.latency, costs)
             )
             drafting = self._gate.should_draft(ceiling)
-        drafting = self._rank_sync.share_drafting(drafting)  # drafting is a collective under TP
+        # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
+        horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
         top: kernels.DraftTopK | None = None
-        if drafting:
+        if horizon > 0:
             with self._timer.stage("draft"):
                 self._write_context(self._deferred_context.take())  # the drafter reads every committed token
-                draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix)
+                draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix, horizon)
                 if self._rewriter is not None:
                     draft_logits = self._rewriter(batch.reqs, draft_logits)
                 top = kernels.topk_logprobs(draft_logits, self.config.branching)
@@ -400,8 +404,10 @@ class BastionWorker(DFlashWorkerV2):
                 self._full_accept = plan.full_accept
             # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
             rows = self._rank_sync.share_rows(
-                kernels.flatten_trees(trees, draft_input.bonus_tokens, plan.width), drafting
+                kernels.flatten_trees(trees, draft_input.bonus_tokens, plan.width), top is not None
             )
+            if top is not None and self._rank_sync.leads:
+                self._horizon.observe(int(rows.depths.max()))
             width = rows.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
             self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)
@@ -529,9 +535,10 @@ class BastionWorker(DFlashWorkerV2):
         )
 
     def _draft_logits(
-        self, batch: ScheduleBatch, bonus_tokens: torch.Tensor, prefix: torch.Tensor
+        self, batch: ScheduleBatch, bonus_tokens: torch.Tensor, prefix: torch.Tensor, horizon: int
     ) -> torch.Tensor:
-        """Drafter logits [B, γ-1, V] for the γ-1 positions after each root (SGLang's DFlash draft forward).
+        """Drafter logits [B, h, V] for the first h = `horizon` of the γ-1 positions after each root (SGLang's
+        DFlash draft forward over the whole block, then the LM head over h positions: `controller.horizon`).
 
         bonus_tokens: [B] roots; prefix: [B] committed lengths. The block [root, MASK x (γ-1)] is written to
         the drafter KV at slots req_to_token[r, L : L + γ] (overwritten by the commit later).
@@ -579,7 +586,7 @@ class BastionWorker(DFlashWorkerV2):
         plan.bind(forward_batch, self.draft_model_runner.kv_index_translator)
         with torch.inference_mode(), draft_tp_context(self.draft_parallel_layout):
             draft_out = self.draft_model_runner.forward(forward_batch)
-            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1:]
+            hidden = draft_out.logits_output.hidden_states.view(bs, block, -1)[:, 1 : 1 + horizon]
             return self._draft_head(hidden)
 
     def _runs_plain_decode(self) -> bool:

@@ -82,8 +82,8 @@ def _rank_main(rank: int, port: int, out: Path) -> None:
         group = WorldGroup(WORLD, rank, list(range(WORLD)), dist.group.WORLD)
         sync = RankSync(group)
         wants_draft, local = _local_rows(rank)
-        drafting = sync.share_drafting(wants_draft)
-        shared = sync.share_rows(local, drafting)
+        horizon = sync.share_horizon(3 if wants_draft else 0)  # rank 1 alone would skip the drafter
+        shared = sync.share_rows(local, horizon > 0)
 
         weight = torch.randn(VOCAB_PADDED, HIDDEN, generator=torch.Generator().manual_seed(3))
         per_rank = VOCAB_PADDED // WORLD
@@ -91,13 +91,14 @@ def _rank_main(rank: int, port: int, out: Path) -> None:
             weight=weight[rank * per_rank : (rank + 1) * per_rank],
             shard_indices=types.SimpleNamespace(num_added_elements=0),
         )
-        hidden = torch.randn(BATCH, 4, HIDDEN, generator=torch.Generator().manual_seed(5))
+        # the drafter's hidden states over the shared horizon: the all-gather needs the same shape everywhere
+        hidden = torch.randn(BATCH, horizon, HIDDEN, generator=torch.Generator().manual_seed(5))
         draft_logits = DraftHead.of(lm_head, VOCAB, group)(hidden)
         torch.save(
             {
                 "leads": sync.leads,
                 "wants_draft": wants_draft,
-                "drafting": drafting,
+                "horizon": horizon,
                 "local": [local.tokens, local.parents, local.depths],
                 "shared": [shared.tokens, shared.parents, shared.depths],
                 "draft_logits": draft_logits,
@@ -123,7 +124,7 @@ def test_ranks_with_skewed_step_times_verify_rank_zeros_tree(tmp_path: Path) -> 
     local_widths = [rank["local"][0].shape[1] for rank in (first, second)]
     assert local_widths[0] > local_widths[1], local_widths
 
-    assert first["drafting"] and second["drafting"]
+    assert first["horizon"] == second["horizon"] == 3
     for mine, shared_first, shared_second in zip(
         first["local"], first["shared"], second["shared"], strict=True
     ):
@@ -131,7 +132,7 @@ def test_ranks_with_skewed_step_times_verify_rank_zeros_tree(tmp_path: Path) -> 
         assert torch.equal(shared_second, mine)
 
     for rank in (first, second):
-        assert rank["draft_logits"].shape == (BATCH, 4, VOCAB)
+        assert rank["draft_logits"].shape == (BATCH, 3, VOCAB)
         torch.testing.assert_close(rank["draft_logits"], rank["full_logits"], rtol=1e-5, atol=1e-5)
 
 
@@ -139,7 +140,7 @@ def test_one_rank_passes_everything_through() -> None:
     sync = RankSync(None)
     _, rows = _local_rows(0)
     assert sync.leads
-    assert sync.share_drafting(False) is False
+    assert sync.share_horizon(0) == 0 and sync.share_horizon(5) == 5
     assert sync.share_rows(rows, True) is rows
     weight = torch.randn(VOCAB_PADDED, HIDDEN)
     hidden = torch.randn(2, HIDDEN)
