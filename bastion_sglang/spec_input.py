@@ -80,7 +80,10 @@ class BastionDraftInput(SpecInput):
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserve KV slots for the next step: allocated length >= committed + `reserve` per request.
 
-        Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths (host copies, no device sync).
+        Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths the scheduler knows (host copies, no
+        device sync). Under overlap scheduling those lag one step (the previous step's result is processed
+        after this runs) and SGLang's future map replaces them before the forward; the reserve covers the lag,
+        since a step commits at most the verify width cap and the next one writes at most max(γ, cap) slots.
         """
         bs = batch.batch_size()
         if bs == 0:
