@@ -706,17 +706,18 @@ class BastionWorker(DFlashWorkerV2):
         Results come back in launch order, one per decode step: without overlap scheduling before the next
         step runs, with it after the next step is launched. Each is matched with the oldest pending plan.
         """
-        if not self._pending_steps:
-            return
-        pending = self._pending_steps.popleft()
-        tracker = self._acceptance_tracker
-        tracker.observe(pending.expected_drafted, num_correct_drafts_per_req, pending.greedy, pending.scales)
-        if self._metrics is not None:
-            self._metrics.observe_acceptance(
-                tracker.calibration_error, tracker.correction(True), tracker.correction(False)
+        if self._pending_steps:
+            pending = self._pending_steps.popleft()
+            tracker = self._acceptance_tracker
+            tracker.observe(
+                pending.expected_drafted, num_correct_drafts_per_req, pending.greedy, pending.scales
             )
-        committed = sum(num_correct_drafts_per_req) + len(num_correct_drafts_per_req)
-        self._report_speedup(self._speedups.committed(pending.index, committed))
+            if self._metrics is not None:
+                self._metrics.observe_acceptance(
+                    tracker.calibration_error, tracker.correction(True), tracker.correction(False)
+                )
+            committed = sum(num_correct_drafts_per_req) + len(num_correct_drafts_per_req)
+            self._report_speedup(self._speedups.committed(pending.index, committed))
         if self._metrics is not None:
             self._metrics.observe_accepted(num_correct_drafts_per_req)
 
