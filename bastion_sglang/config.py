@@ -58,6 +58,10 @@ class BastionConfig:
     draft_proposer: "module:callable" of a `draft_protocols.DraftLogitsRewriter` factory called once with
         `draft_proposer_arg` in the scheduler process; it may rewrite the drafter's logits each step
         (the seam tests use for an oracle drafter). None: the drafter's logits as they are.
+    overlap: whether BASTION may run under SGLang's overlap scheduler (`--bastion-overlap-schedule on`).
+        False (the default): `--disable-overlap-schedule` is switched on. True: SGLang's own
+        `--disable-overlap-schedule` decides, and requests with output penalties are refused (their state
+        would lag one step; see the architecture page, "Overlap scheduling").
     """
 
     max_budget: int = DEFAULT_MAX_BUDGET
@@ -68,6 +72,7 @@ class BastionConfig:
     topk: int = DEFAULT_TOPK
     draft_proposer: str | None = None
     draft_proposer_arg: str = ""
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_budget, bool) or not isinstance(self.max_budget, int) or self.max_budget < 1:
@@ -93,6 +98,8 @@ class BastionConfig:
             raise ValueError(
                 f"topk {self.topk} exceeds max_budget {self.max_budget}: a tree holds at most N_max nodes"
             )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if self.draft_proposer is not None:
             module, _, attr = self.draft_proposer.partition(":")
             if not module or not attr:

@@ -66,8 +66,12 @@ class DraftSource(Protocol):
 class DraftLogitsRewriter(Protocol):
     """Rewrites the SGLang drafter's logits before the tree search (the worker's)."""
 
-    def __call__(self, reqs: Sequence[Req], draft_logits: torch.Tensor) -> torch.Tensor:
-        """reqs: the batch's B requests; draft_logits: [B, D, V]. Returns [B, D, V] logits."""
+    def __call__(
+        self, reqs: Sequence[Req], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """reqs: the batch's B requests; draft_logits: [B, D, V]; prefix_lens: [B] committed tokens with KV
+        (the root sits at that position, so the request has emitted prefix - prompt + 1 tokens; under
+        overlap scheduling a request's own `output_ids` may lag by one step). Returns [B, D, V] logits."""
 
 
 def load_draft_logits_rewriter(config: BastionConfig) -> DraftLogitsRewriter | None:

@@ -223,7 +223,9 @@ def _capture_width(model_runner: ModelRunner, width: int) -> BastionVerifyGraphR
     """A runner captured at `width` over a new attention backend built for that width (see the module doc).
 
     The backend keeps SGLang's shared flashinfer workspace (as the target's and the drafter's backends
-    already share it): BASTION runs without overlap scheduling, so verify passes never run concurrently.
+    already share it): every forward runs on the scheduler's one forward stream, in launch order, with or
+    without overlap scheduling (the overlap scheduler runs ahead on the host, not a second forward), so
+    verify passes never run concurrently.
     """
     context = get_context()
     configured = int(get_spec().speculative_num_draft_tokens)

@@ -78,6 +78,14 @@ def _width_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
 
 
+def _on_off(text: str) -> bool:
+    """'on' -> True, 'off' -> False; anything else is an argparse usage error."""
+    value = text.strip().lower()
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value == "on"
+
+
 FLAGS: tuple[_Flag, ...] = (
     _Flag(
         "--bastion-max-budget",
@@ -127,6 +135,16 @@ FLAGS: tuple[_Flag, ...] = (
         "K",
         f"BASTION: candidates per draft position the tree may branch into (1..N_max); default {DEFAULT_TOPK}",
     ),
+    _Flag(
+        "--bastion-overlap-schedule",
+        "bastion_overlap_schedule",
+        _on_off,
+        "on|off",
+        "BASTION: off (default): run without overlap scheduling (--disable-overlap-schedule is switched on); "
+        "on: let SGLang's overlap scheduler prepare the next batch while a step runs (then "
+        "--disable-overlap-schedule decides; requests with frequency, presence or repetition penalties or "
+        "min_new_tokens are refused, their state would lag one step).",
+    ),
 )
 
 
@@ -138,10 +156,12 @@ def make_config(
     ema_alpha: float | None = None,
     width_buckets: tuple[int, ...] | None = None,
     topk: int | None = None,
+    overlap: bool | None = None,
 ) -> BastionConfig:
     """BastionConfig from the command-line spellings (None: the default). ValueError names a bad value.
 
     policy: adaptive | bucketed | fixed:N | chain. profile: "auto" or a path to a calibration profile.
+    overlap: whether SGLang's overlap scheduler may run BASTION (default False).
     """
     budget = DEFAULT_MAX_BUDGET if max_budget is None else max_budget
     if isinstance(budget, int) and budget > MAX_BUDGET_LIMIT:
@@ -165,6 +185,7 @@ def make_config(
         ema_alpha=DEFAULT_EMA_ALPHA if ema_alpha is None else ema_alpha,
         width_buckets=buckets if buckets is not None else (),
         topk=DEFAULT_TOPK if topk is None else topk,
+        overlap=bool(overlap),
     )
 
 
@@ -180,6 +201,7 @@ def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
         ema_alpha=given["bastion_ema_alpha"],
         width_buckets=given["bastion_width_buckets"],
         topk=given["bastion_topk"],
+        overlap=given["bastion_overlap_schedule"],
     )
 
 
@@ -228,9 +250,9 @@ def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bo
     error = original(req, enable_overlap)
     if error is not None or not _serving_bastion():
         return error
-    from bastion_sglang.request_support import unsupported_parameter
+    from bastion_sglang.request_support import unsupported_parameter, unsupported_under_overlap
 
-    return unsupported_parameter(req)
+    return unsupported_parameter(req) or (unsupported_under_overlap(req) if enable_overlap else None)
 
 
 def _serving_bastion() -> bool:
@@ -293,9 +315,12 @@ class BastionSpecAlgo(CustomSpecAlgo):
         needs_cpu_seq_lens: bool = True,
         needs_confidence_relay: bool = False,
     ) -> FutureMap:
+        """SGLang's future map, always with host sequence lengths: under overlap scheduling the worker plans
+        each step from the committed lengths on the host (`needs_cpu_seq_lens` from the attention backends is
+        not enough: a backend that opts out would leave `seq_lens_cpu` None)."""
         from sglang.srt.managers.overlap_utils import FutureMap
 
-        return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
+        return FutureMap(device, self, req_to_token_pool, True, needs_confidence_relay)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
         """Target verify: the width cap N_max + 1. The drafter's TARGET_VERIFY forward: its block size."""
@@ -331,7 +356,8 @@ def handle_server_args(server_args: Any) -> None:
 
     Does what SGLang's `_handle_dflash` does (steps 1, topk 1, the drafter's block size, the draft
     attention backend, 48 running requests by default) without its device check, and BASTION's own:
-    draft-token count = verify width cap N_max + 1, overlap scheduling and mixed chunks off, page size 1,
+    draft-token count = verify width cap N_max + 1, overlap scheduling off unless `--bastion-overlap-schedule
+    on`, mixed chunks off, page size 1,
     no pipeline parallel or DP attention, the drafter must fit the target, the backend must read a custom
     tree mask, the latency profile must load. `server_args` is SGLang's recording stand-in: assignments
     become declarations.
@@ -394,9 +420,13 @@ def handle_server_args(server_args: Any) -> None:
         cfg.speculative_draft_attention_backend = cfg.attention_backend
     if cfg.max_running_requests is None:
         cfg.max_running_requests = 48
-    if not cfg.disable_overlap_schedule:
+    if not config.overlap and not cfg.disable_overlap_schedule:
         cfg.disable_overlap_schedule = True
-        logger.warning("%s runs without overlap scheduling; --disable-overlap-schedule is now on.", ALGORITHM)
+        logger.warning(
+            "%s runs without overlap scheduling unless --bastion-overlap-schedule on is given; "
+            "--disable-overlap-schedule is now on.",
+            ALGORITHM,
+        )
     if cfg.enable_mixed_chunk:
         cfg.enable_mixed_chunk = False
         logger.warning(
@@ -504,7 +534,7 @@ def register_algorithm() -> None:
 
     cpu_support.prepare_cpu_torch_build()
 
-    @SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=False, spec_class=BastionSpecAlgo)
+    @SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=BastionSpecAlgo)
     def _worker_class(server_args: Any) -> type:
         from bastion_sglang.worker import BastionWorker
 

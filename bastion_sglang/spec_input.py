@@ -5,10 +5,13 @@ Terms. A request's *prefix* is the number of its tokens whose KV is in the cache
 tree and sits at position `prefix`. A verify pass holds W tokens per request (the root plus W - 1 draft
 nodes, `kernels.TreeBatch` order) at slots `req_to_token[r, prefix : prefix + W]`.
 
-SGLang drives these through its spec-v2 scheduler with overlap off: `BastionDraftInput.prepare_for_decode`
-reserves KV slots before each decode step, `filter_batch` / `merge_batch` follow the batch when requests
-finish or join. `BastionVerifyInput` is what the target's TARGET_VERIFY forward reads (tokens, positions,
-the flat ancestor mask, the width W).
+SGLang drives these through its spec-v2 scheduler: `BastionDraftInput.prepare_for_decode` reserves KV slots
+before each decode step, `filter_batch` / `merge_batch` follow the batch when requests finish or join. Under
+the overlap scheduler the draft input a step returns is also the relay handle of the next step: SGLang stashes
+its bonus tokens in the future map, sets `future_indices`, and fills `bonus_tokens` and the batch's
+`seq_lens` from the map before the next forward (architecture page, "Overlap scheduling").
+`BastionVerifyInput` is what the target's TARGET_VERIFY forward reads (tokens, positions, the flat ancestor
+mask, the width W).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ class BastionDraftInput(SpecInput):
     new_seq_lens: torch.Tensor  # [B] int64: committed tokens with KV after the step that made this input
     seeds: torch.Tensor  # [B] int64: sampling seed per request (its sampling_seed, else drawn)
     reserve: int  # KV slots kept allocated past the committed prefix, per request
+    # [B] int64 req_pool indices of the future map's rows (overlap scheduler only; set by SGLang)
+    future_indices: torch.Tensor | None = None
+    # What SGLang's future-map relay reads from every draft input (`RelayPayload.from_draft_input`):
+    # BASTION relays only the bonus tokens, so these stay None.
+    topk_p: torch.Tensor | None = None
+    topk_index: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         super().__init__(spec_input_type=SpecInputType.DFLASH_DRAFT)
@@ -70,7 +80,10 @@ class BastionDraftInput(SpecInput):
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserve KV slots for the next step: allocated length >= committed + `reserve` per request.
 
-        Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths (host copies, no device sync).
+        Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths the scheduler knows (host copies, no
+        device sync). Under overlap scheduling those lag one step (the previous step's result is processed
+        after this runs) and SGLang's future map replaces them before the forward; the reserve covers the lag,
+        since a step commits at most the verify width cap and the next one writes at most max(γ, cap) slots.
         """
         bs = batch.batch_size()
         if bs == 0:
@@ -105,12 +118,22 @@ class BastionDraftInput(SpecInput):
         self.bonus_tokens = self.bonus_tokens[new_indices]
         self.new_seq_lens = self.new_seq_lens[new_indices]
         self.seeds = self.seeds[new_indices]
+        if self.future_indices is not None:
+            self.future_indices = self.future_indices[new_indices]
 
     def merge_batch(self, other: BastionDraftInput) -> None:
-        """Append the rows of `other` (requests joining the running batch)."""
+        """Append the rows of `other` (requests joining the running batch).
+
+        Under the overlap scheduler both carry future-map indices (each was a forward's result); a batch that
+        has them cannot merge one without (ValueError), since its rows would resolve from the wrong slots.
+        """
+        if (self.future_indices is None) != (other.future_indices is None):
+            raise ValueError("merging a draft input with future-map indices and one without")
         self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
         self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
         self.seeds = torch.cat([self.seeds, other.seeds])
+        if self.future_indices is not None and other.future_indices is not None:
+            self.future_indices = torch.cat([self.future_indices, other.future_indices])
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,22 @@ PLAIN_DECODE_FIELDS = (
     "seq_lens_sum",
 )
 """The scheduler batch's fields `BastionWorker._decode_plain` sets for its DECODE forward and restores."""
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A decode step's plan, waiting for its accepted counts (`BastionWorker.on_verify_complete_cpu`)."""
+
+    index: int  # decode steps of this worker before it
+    expected_drafted: list[float]  # [B] the plan's calibrated expected accepted drafts per request
+    greedy: list[bool]  # [B] whether each request decodes greedily
+    scales: list[float]  # [B] acceptance corrections the plan used
+
+
+PENDING_STEPS = 4
+"""Decode steps whose accepted counts may be outstanding at once: one without overlap scheduling, two with
+it (SGLang processes a step's result after launching the next); more means a result never came back, and the
+oldest plans are dropped."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +296,7 @@ class BastionWorker(DFlashWorkerV2):
         )
         self._acceptance = worker_acceptance(resolved, server_args.speculative_draft_model_path)
         self._acceptance_tracker = AcceptanceTracker()
-        self._pending_acceptance: tuple[list[float], list[bool], list[float]] | None = None
+        self._pending_steps: deque[PendingStep] = deque(maxlen=PENDING_STEPS)  # oldest first
         self._speedups = SpeedupLedger()
         self._step_index = 0
         self._last_decode_end: float | None = None  # host clock at the end of the last decode step
@@ -343,17 +360,24 @@ class BastionWorker(DFlashWorkerV2):
                 reserve=self._reserve,
             )
             return result
-        return self._decode_step(batch, grammar_barrier)
+        return self._decode_step(batch, on_publish, grammar_barrier)
 
     # ---- one decode step -------------------------------------------------------------------------
 
-    def _decode_step(self, batch: ScheduleBatch, grammar_barrier: Any) -> GenerationBatchResult:
+    def _decode_step(
+        self, batch: ScheduleBatch, on_publish: Any, grammar_barrier: Any
+    ) -> GenerationBatchResult:
+        """One decode step (module docstring). on_publish: the overlap scheduler's callback taking the [B]
+        committed lengths after this step (None without overlap); it is called as soon as they are known,
+        before the commit stage, so the scheduler can prepare the next step while the commit runs."""
         step_start = time.perf_counter()
         other = None if self._last_decode_end is None else step_start - self._last_decode_end
         draft_input: BastionDraftInput = batch.spec_info
         bs = batch.batch_size()
         prefix = batch.seq_lens.to(torch.int64)  # [B] committed tokens with KV
-        prefix_cpu = batch.seq_lens_cpu  # [B] host copy set by prepare_for_decode
+        # [B] host copy: set by prepare_for_decode, or under overlap scheduling copied from the future map
+        # after the previous step's publish (`FutureMap.resolve_seq_lens_cpu` waits for it: exact)
+        prefix_cpu = batch.seq_lens_cpu
         contexts = prefix_cpu.tolist()
         rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
@@ -377,7 +401,7 @@ class BastionWorker(DFlashWorkerV2):
                 self._write_context(self._deferred_context.take())  # the drafter reads every committed token
                 draft_logits = self._draft_logits(batch, draft_input.bonus_tokens, prefix, horizon)
                 if self._rewriter is not None:
-                    draft_logits = self._rewriter(batch.reqs, draft_logits)
+                    draft_logits = self._rewriter(batch.reqs, draft_logits, contexts)
                 top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
             if top is None or not self._rank_sync.leads:  # other TP ranks take rank 0's rows below
@@ -410,7 +434,9 @@ class BastionWorker(DFlashWorkerV2):
                 self._horizon.observe(int(rows.depths.max()))
             width = rows.width
             shape = self._verify_graphs.shape_for(width, bs)  # W_v: a captured graph's width >= W, or W
-            self._pending_acceptance = (list(plan.expected_drafted), greedy, scales)
+            self._pending_steps.append(
+                PendingStep(self._step_index, list(plan.expected_drafted), greedy, scales)
+            )
             self._speedups.plan(self._step_index, costs.l_ar, bs)
             if self._metrics is not None:
                 mode = "skipped" if top is None else "speculative" if plan.speculates else "declined"
@@ -480,6 +506,8 @@ class BastionWorker(DFlashWorkerV2):
             out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
             commit_lens = (accept.accept_length + 1).to(torch.int32)  # [B] tokens emitted
             new_seq_lens = prefix + commit_lens.to(torch.int64)
+        if on_publish is not None:
+            on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with self._timer.stage("commit"):
             real_window = window[:, :width]  # [B, W]: padding slots stay uncommitted in the reserve
             hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
@@ -680,18 +708,23 @@ class BastionWorker(DFlashWorkerV2):
         return (int(seed) + 2**63) % 2**64 - 2**63
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
-        """SGLang's hook once a step's accepted counts are on the host: the realised accept lengths."""
-        if self._pending_acceptance is not None:
-            drafted, greedy, scales = self._pending_acceptance
-            self._pending_acceptance = None
+        """SGLang's hook once a decode step's accepted counts are on the host: the realised accept lengths.
+
+        Results come back in launch order, one per decode step: without overlap scheduling before the next
+        step runs, with it after the next step is launched. Each is matched with the oldest pending plan.
+        """
+        if self._pending_steps:
+            pending = self._pending_steps.popleft()
             tracker = self._acceptance_tracker
-            tracker.observe(drafted, num_correct_drafts_per_req, greedy, scales)
+            tracker.observe(
+                pending.expected_drafted, num_correct_drafts_per_req, pending.greedy, pending.scales
+            )
             if self._metrics is not None:
                 self._metrics.observe_acceptance(
                     tracker.calibration_error, tracker.correction(True), tracker.correction(False)
                 )
-        committed = sum(num_correct_drafts_per_req) + len(num_correct_drafts_per_req)
-        self._report_speedup(self._speedups.committed(self._step_index - 1, committed))
+            committed = sum(num_correct_drafts_per_req) + len(num_correct_drafts_per_req)
+            self._report_speedup(self._speedups.committed(pending.index, committed))
         if self._metrics is not None:
             self._metrics.observe_accepted(num_correct_drafts_per_req)
 

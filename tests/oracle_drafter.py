@@ -60,10 +60,14 @@ class OracleProposer:
         self._record_prompts = record_prompts
         self._calls = itertools.count()
 
-    def __call__(self, reqs: Sequence[Any], draft_logits: torch.Tensor) -> torch.Tensor:
-        """reqs: B SGLang requests; draft_logits: [B, D, V]. Returns [B, D, V] boosted logits."""
+    def __call__(
+        self, reqs: Sequence[Any], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """reqs: B SGLang requests; draft_logits: [B, D, V]; prefix_lens: [B] committed tokens with KV.
+        Returns [B, D, V] boosted logits."""
+        emitted_counts = [_emitted(req, prefix) for req, prefix in zip(reqs, prefix_lens, strict=True)]
         if self._record_dir is not None:
-            self._record(reqs, draft_logits)
+            self._record(reqs, draft_logits, emitted_counts)
         boosted = draft_logits.clone()
         depth = draft_logits.shape[1]
         for b, req in enumerate(reqs):
@@ -71,7 +75,7 @@ class OracleProposer:
             reference = self._references.get(prompt)
             if reference is None:
                 continue
-            emitted = len(req.output_ids)  # the last emitted token is the root of this step's tree
+            emitted = emitted_counts[b]  # the last emitted token is the root of this step's tree
             continuation = reference[emitted : emitted + depth]
             wrong = prompt in self._wrong or (
                 prompt in self._switch and (emitted // self._switch_period) % 2 == 1
@@ -87,15 +91,21 @@ class OracleProposer:
                     boosted[b, rows, decoy] += BOOST - self._decoy_gap
         return boosted
 
-    def _record(self, reqs: Sequence[Any], draft_logits: torch.Tensor) -> None:
+    def _record(self, reqs: Sequence[Any], draft_logits: torch.Tensor, emitted_counts: list[int]) -> None:
         """Save [n, D, V] raw logits of the listed requests with their (prompt, tokens emitted) keys."""
         assert self._record_dir is not None
         picked = [b for b, req in enumerate(reqs) if tuple(req.origin_input_ids) in self._record_prompts]
         if not picked:
             return
-        keys = [(list(reqs[b].origin_input_ids), len(reqs[b].output_ids)) for b in picked]
+        keys = [(list(reqs[b].origin_input_ids), emitted_counts[b]) for b in picked]
         name = f"{os.getpid()}-{next(self._calls):06d}.pt"
         torch.save({"keys": keys, "logits": draft_logits[picked].float().cpu()}, self._record_dir / name)
+
+
+def _emitted(req: Any, prefix_len: int) -> int:
+    """Tokens the request has emitted before a step whose root sits at `prefix_len` (the root is the last
+    of them); its own `output_ids` may lag one step under overlap scheduling."""
+    return prefix_len - len(req.origin_input_ids) + 1
 
 
 def write_references(

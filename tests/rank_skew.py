@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-Proposer = Callable[[Sequence[Any], torch.Tensor], torch.Tensor]
+Proposer = Callable[[Sequence[Any], torch.Tensor, Sequence[int]], torch.Tensor]
 
 
 def write_skew(path: Path, rank: int, seconds: float, inner: str | None, inner_arg: str | None) -> Path:
@@ -39,13 +39,16 @@ class RankSkew:
     seconds: float
     inner: Proposer | None
 
-    def __call__(self, reqs: Sequence[Any], draft_logits: torch.Tensor) -> torch.Tensor:
-        """reqs: the batch's B requests; draft_logits: [B, D, V]. Returns [B, D, V] logits."""
+    def __call__(
+        self, reqs: Sequence[Any], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """reqs: the batch's B requests; draft_logits: [B, D, V]; prefix_lens: [B] committed lengths.
+        Returns [B, D, V] logits."""
         from sglang.srt.runtime_context import get_parallel
 
         if get_parallel().tp_rank == self.rank:
             time.sleep(self.seconds)
-        return draft_logits if self.inner is None else self.inner(reqs, draft_logits)
+        return draft_logits if self.inner is None else self.inner(reqs, draft_logits, prefix_lens)
 
 
 def make_rank_skew(path: str) -> RankSkew:

@@ -161,6 +161,37 @@ def test_resolution_sets_the_verify_width_and_turns_overlap_off(models: dict[str
     assert view.speculative_draft_attention_backend == "torch_native"
 
 
+@pytest.mark.parametrize(
+    ("extra", "disabled"),
+    [
+        (("--bastion-overlap-schedule", "on"), False),
+        (("--bastion-overlap-schedule", "on", "--disable-overlap-schedule"), True),
+        (("--bastion-overlap-schedule", "off"), True),
+    ],
+)
+def test_overlap_scheduling_is_opt_in(
+    models: dict[str, Path], extra: tuple[str, ...], disabled: bool
+) -> None:
+    """`--bastion-overlap-schedule on` leaves SGLang's own `--disable-overlap-schedule` to decide (SGLang's
+    CPU rule for its own speculative algorithms does not apply to BASTION); off switches overlap off."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    server_args = _resolve(_argv(models, *extra))
+    assert resolved_view(server_args).disable_overlap_schedule is disabled
+    assert config_of(server_args).overlap is (extra[1] == "on")
+
+
+def test_bad_overlap_switch_is_a_usage_error(models: dict[str, Path]) -> None:
+    with pytest.raises(SystemExit):
+        prepare_server_args(_argv(models, "--bastion-overlap-schedule", "yes"))
+
+
+def test_registered_with_overlap_support() -> None:
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    assert get_spec("BASTION").supports_overlap is True
+
+
 @pytest.mark.parametrize(("tp_size", "dp_size"), [(2, 1), (1, 2), (2, 2)])
 def test_tensor_and_data_parallel_resolve(models: dict[str, Path], tp_size: int, dp_size: int) -> None:
     from sglang.srt.arg_groups.overrides import resolved_view

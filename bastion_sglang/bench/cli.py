@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_MAX_BUDGET}",
     )
     parser.add_argument(
+        "--bastion-overlap-schedule",
+        choices=["on", "off"],
+        default="off",
+        help="--bastion-overlap-schedule of the BASTION Engines: on runs them under SGLang's overlap "
+        "scheduler (ar and dflash keep SGLang's own setting); default off",
+    )
+    parser.add_argument(
         "--attention-backend",
         default=None,
         help="SGLang attention backend (default: torch_native on cpu, triton)",

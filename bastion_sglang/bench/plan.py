@@ -105,6 +105,9 @@ class BenchSettings(BaseModel):
     policies: tuple[str, ...] = Field(min_length=1)
     repeats: int = Field(ge=1, description="rounds; each runs every policy in a fresh Engine")
     max_budget: int = Field(gt=0, description="N_max of the BASTION Engines")
+    overlap_schedule: bool = Field(
+        default=False, description="whether the BASTION Engines ran under SGLang's overlap scheduler"
+    )
     device: Literal["cpu", "cuda"]
     attention_backend: str
     dtype: str
@@ -197,6 +200,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         policies=tuple(p.name for p in policies),
         repeats=args.repeats,
         max_budget=args.max_budget,
+        overlap_schedule=args.bastion_overlap_schedule == "on",
         device=device,
         attention_backend=attention,
         dtype=args.dtype,
@@ -264,7 +268,10 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
         kwargs |= dict(speculative_algorithm="DFLASH", speculative_draft_model_path=settings.draft_model_path)
     server_args = ServerArgs(**kwargs)
     if policy.kind == "bastion":
-        attach_config(server_args, make_config(max_budget=settings.max_budget, policy=policy.name))
+        config = make_config(
+            max_budget=settings.max_budget, policy=policy.name, overlap=settings.overlap_schedule
+        )
+        attach_config(server_args, config)
     return server_args
 
 
