@@ -1,4 +1,4 @@
-"""DraftHorizon: the LM head scores as many drafted positions as the recent trees used, and grows when bound."""
+"""DraftHorizon: the LM head scores as many drafted positions as recent trees used, doubling when bound."""
 
 from __future__ import annotations
 

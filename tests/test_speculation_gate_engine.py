@@ -207,9 +207,9 @@ def test_drafter_context_written_late_equals_written_at_once(
     bastion: dict[str, Call], always_drafting: Path, gate_root: Path
 ) -> None:
     """At every (prompt, tokens emitted) where both Engines drafted, the drafter's own logits [h, V] agree
-    within DRAFT_LOGIT_TOL over the positions both scored (each Engine's draft horizon h); among them are passes right after skipped steps (in a wrong stretch, where a
-    drafted step emits one token, a gap of more than one token since the last drafter pass), which read
-    drafter KV the skipped steps wrote late."""
+    within DRAFT_LOGIT_TOL over the positions both scored (each Engine's draft horizon h); among them are
+    passes right after skipped steps (in a wrong stretch, where a drafted step emits one token, a gap of more
+    than one token since the last drafter pass), which read drafter KV the skipped steps wrote late."""
     late, at_once = load_records(gate_root / "switching_records"), load_records(always_drafting)
     shared = sorted(late.keys() & at_once.keys())
     after_skips = 0
