@@ -5,8 +5,9 @@ may rewrite them. They have different contracts, so they have different names.
   drafter's state across steps (`start`, then one `propose` per step, fed the target features of the
   positions committed since). `reference.DFlashProposer` is the DFlash one; tests plug in oracles.
 - `DraftLogitsRewriter` (the SGLang worker, a batch of B requests): the drafter has already run through
-  SGLang's DFlash draft path; a rewriter maps its logits [B, D, V] to logits of the same shape before the
-  top-k, e.g. to steer the tree towards a known continuation in tests. It is configured by name on the
+  SGLang's DFlash draft path; a rewriter maps its logits [B, h, V] (the first h of the D drafted positions,
+  h the draft horizon, `controller.horizon`) to logits of the same shape before the top-k, e.g. to steer the
+  tree towards a known continuation in tests. It is configured by name on the
   server (`BastionConfig.draft_proposer` = "module:factory", called once with `draft_proposer_arg` in the
   scheduler process; `load_draft_logits_rewriter`).
 
@@ -69,9 +70,10 @@ class DraftLogitsRewriter(Protocol):
     def __call__(
         self, reqs: Sequence[Req], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
     ) -> torch.Tensor:
-        """reqs: the batch's B requests; draft_logits: [B, D, V]; prefix_lens: [B] committed tokens with KV
-        (the root sits at that position, so the request has emitted prefix - prompt + 1 tokens; under
-        overlap scheduling a request's own `output_ids` may lag by one step). Returns [B, D, V] logits."""
+        """reqs: the batch's B requests; draft_logits: [B, h, V], h <= D the draft horizon; prefix_lens: [B]
+        committed tokens with KV (the root sits at that position, so the request has emitted prefix - prompt + 1
+        tokens; under overlap scheduling a request's own `output_ids` may lag by one step). Returns [B, h, V]
+        logits."""
 
 
 def load_draft_logits_rewriter(config: BastionConfig) -> DraftLogitsRewriter | None:

@@ -63,8 +63,8 @@ class OracleProposer:
     def __call__(
         self, reqs: Sequence[Any], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
     ) -> torch.Tensor:
-        """reqs: B SGLang requests; draft_logits: [B, D, V]; prefix_lens: [B] committed tokens with KV.
-        Returns [B, D, V] boosted logits."""
+        """reqs: B SGLang requests; draft_logits: [B, h, V] (h: the draft horizon); prefix_lens: [B] committed
+        tokens with KV. Returns [B, h, V] boosted logits."""
         emitted_counts = [_emitted(req, prefix) for req, prefix in zip(reqs, prefix_lens, strict=True)]
         if self._record_dir is not None:
             self._record(reqs, draft_logits, emitted_counts)
