@@ -71,9 +71,9 @@ class DraftLogitsRewriter(Protocol):
         self, reqs: Sequence[Req], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
     ) -> torch.Tensor:
         """reqs: the batch's B requests; draft_logits: [B, h, V], h <= D the draft horizon; prefix_lens: [B]
-        committed tokens with KV (the root sits at that position, so the request has emitted prefix - prompt + 1
-        tokens; under overlap scheduling a request's own `output_ids` may lag by one step). Returns [B, h, V]
-        logits."""
+        committed tokens with KV (the root sits at that position, so the request has emitted
+        prefix - prompt + 1 tokens; under overlap scheduling a request's own `output_ids` may lag by one step).
+        Returns [B, h, V] logits."""
 
 
 def load_draft_logits_rewriter(config: BastionConfig) -> DraftLogitsRewriter | None:
