@@ -72,7 +72,7 @@ class DraftLogitsRewriter(Protocol):
     ) -> torch.Tensor:
         """reqs: the batch's B requests; draft_logits: [B, h, V], h <= D the draft horizon; prefix_lens: [B]
         committed tokens with KV (the root sits at that position, so the request has emitted
-        prefix - prompt + 1 tokens; under overlap scheduling a request's own `output_ids` may lag by one step).
+        prefix - prompt + 1 tokens; under overlap scheduling a request's own `output_ids` may lag a step).
         Returns [B, h, V] logits."""
 
 
