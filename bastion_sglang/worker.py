@@ -730,8 +730,8 @@ class BastionWorker(DFlashWorkerV2):
 
     def _step_costs(self, contexts: list[int]) -> StepCosts:
         """Per-step costs for the planner: this worker's measured stages (the profile's costs until they
-        warm up) and L_AR, the latency model's plain decode step of the whole batch (`plain_step_seconds`)."""
-        return self._costs.costs(l_ar=self.latency.plain_step_seconds(contexts), batch=len(contexts))
+        warm up) and L_AR, the latency model's plain decode step of the whole batch."""
+        return self._costs.costs(l_ar=self.latency.predict_plain_batch(contexts), batch=len(contexts))
 
     def _raw_expected_accept(
         self, trees: DraftTreeBatch, top: kernels.DraftTopK, counts: Sequence[int]

@@ -805,19 +805,6 @@ class LatencyModel:
         correction = self._plain if self._plain.observations else self._verify
         return correction.correct(self._plain_seconds(c_list), len(c_list))
 
-    def plain_step_seconds(self, contexts: TokenCounts) -> float:
-        """L_AR as the planner prices it: `predict_plain_batch`, at most the batch's verify pass of one node
-        per request (`predict_batch` at s = 2), seconds. contexts: [B] cached tokens per request.
-
-        A plain step costs no more than verifying one node besides each root, so the bound holds on every
-        device. It matters while a batch speculates: plain steps are then rare, and a plain step measured
-        slow (a stall, a noisy neighbour) stays in the plain correction until the next one. Unbounded, that
-        L_AR makes every speculative plan look profitable, even with nothing accepted, so no plain step
-        comes to correct it; the verify passes, measured every speculative step, keep the bound current.
-        """
-        c_list = _check_contexts(contexts)
-        return min(self.predict_plain_batch(c_list), self.predict_batch([2] * len(c_list), c_list))
-
     def observe(self, s: int, c: int, seconds: float) -> None:
         """Online update after a measured verify pass of s tokens over c cached tokens taking `seconds`
         (compared with the offline prediction at the padded width). ValueError for non-finite or

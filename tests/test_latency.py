@@ -401,20 +401,6 @@ def test_online_plain_correction(roofline: RooflineModel) -> None:
     assert model.ema_factor == 1.0 and model.predict(8, 1000) == offline.predict(8, 1000)
 
 
-def test_slow_plain_steps_cannot_price_plain_decoding_above_a_one_node_verify(
-    roofline: RooflineModel,
-) -> None:
-    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.2)
-    contexts = [300, 900]
-    assert model.plain_step_seconds(contexts) == model.predict_plain_batch(contexts)  # the bound is slack
-    verify = model.predict_batch([2, 2], contexts)
-    stalled = 20.0 * model.predict_plain_batch(contexts)
-    for _ in range(50):  # plain steps stalled by something else; the plain correction remembers them
-        model.observe_plain_batch(contexts, stalled)
-    assert model.predict_plain_batch(contexts) > 1.5 * verify
-    assert model.plain_step_seconds(contexts) == verify
-
-
 def test_online_correction_is_bounded(roofline: RooflineModel) -> None:
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.5)
     offline = LatencyModel(roofline, TRUE_FIT)
