@@ -304,7 +304,9 @@ class BastionWorker(DFlashWorkerV2):
         self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
         self._gate = SpeculationGate()
-        self._horizon = DraftHorizon(block_size - 1)  # drafted positions the LM head scores
+        # drafted positions the LM head scores; fixed-size policies keep all (their trees stay DDTree's)
+        depth = block_size - 1
+        self._horizon = DraftHorizon(depth) if self.config.policy.may_decline else DraftHorizon.full(depth)
         self._deferred_context = DeferredDraftContext()  # drafter KV rows of steps that skipped the drafter
         self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))

@@ -14,6 +14,10 @@ It starts at `start` (at most D): a first pass on easy text binds and reaches D 
 (4, 8, 15), and a first pass where speculation does not pay costs a quarter of the head. The trees are the
 best trees within the horizon, so a step after a sudden rise in depth plans a shallower tree than it could
 have, once, before the horizon doubles.
+
+The rule is for policies that size the tree by its estimated speedup (adaptive, bucketed). A policy with a
+fixed size (fixed:N, chain) keeps all D positions (`DraftHorizon.full`): its trees are the best N nodes of the
+whole lattice, as DDTree and DFlash define them, whatever steps came before.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class DraftHorizon:
         if not 1 <= self.min_horizon <= self.start:
             raise ValueError(f"need 1 <= min_horizon <= start, got {self.min_horizon} and {self.start}")
         self._horizon = min(self.start, self.depth)
+
+    @classmethod
+    def full(cls, depth: int) -> DraftHorizon:
+        """A horizon that stays at D = `depth` whatever is observed."""
+        return cls(depth, start=depth, min_horizon=depth)
 
     @property
     def horizon(self) -> int:

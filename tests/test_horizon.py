@@ -29,6 +29,10 @@ def test_a_short_drafter_caps_every_horizon() -> None:
     assert horizons(DraftHorizon(1), [1, 0]) == [1, 1, 1]
 
 
+def test_the_full_horizon_never_moves() -> None:
+    assert horizons(DraftHorizon.full(15), [15, 0, 3, 15]) == [15] * 5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
