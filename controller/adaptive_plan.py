@@ -39,7 +39,7 @@ from bastion_sglang.controller.batched import lattice_size
 from bastion_sglang.controller.fast_tree import (
     HostNodes,
     best_first_nodes,
-    checked_host_draft,
+    checked_host_values,
     host_token_ids,
 )
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
@@ -57,7 +57,8 @@ COST_CHUNK = 64
 """Least number of widths per latency prediction (one call costs about the same for up to a few hundred)."""
 
 HeapEntry = tuple[float, int, tuple, int, float]
-"""(-score, depth, nested path, parent index or ROOT, score): one node waiting in the heap phase's heap."""
+"""(-score, depth, nested path, parent index or ROOT, parent's score, 0 at the root): one node waiting in
+the heap phase's heap."""
 
 
 class _CycleCurve:
@@ -100,62 +101,72 @@ def plan_adaptive(
     Returns a DraftTree of n* nodes on the device of `logprobs`; n* = 0 when budget = 0. Raises the
     ValueErrors of `build_tree` on bad input, and those of the latency model as `choose` would.
     """
-    lattice = checked_host_draft(logprobs, token_ids)
+    values = checked_host_values(logprobs, token_ids)
     validate_budget(budget)
-    n_max = lattice_size(*lattice.shape, budget)
+    n_max = lattice_size(*values.shape, budget)
     if n_max == 0:
-        nodes = best_first_nodes(lattice, 0)
+        nodes = best_first_nodes(values, 0)
     else:
         cycle = _CycleCurve(n_max, ctx_len, latency, costs)
-        nodes = _heap_until_drop(lattice, cycle, n_max, costs.l_ar)
+        nodes = _heap_until_drop(values, cycle, n_max, costs.l_ar)
         if nodes is None:
-            nodes = _chunks_until_drop(lattice, cycle, n_max, costs.l_ar)
+            nodes = _chunks_until_drop(values.astype(np.float64), cycle, n_max, costs.l_ar)
     return nodes.to_tree(host_token_ids(token_ids), logprobs.device)
 
 
 def _heap_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes | None:
     """The first n* nodes if the heap phase finds the drop (or pops all N_max nodes), else None.
 
-    The pops are `tree.build_tree`'s, in the same order: entries (-score, depth, path, parent, score), the
-    sibling and the first child pushed after each pop. A path is the rank tuple nested as (parent's path,
-    rank), ((), r) at depth 1: nested tuples of one depth compare as their flat rank tuples do, and each is
-    built in O(1). lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds.
+    The pops are `tree.build_tree`'s, in the same order: entries (-score, depth, path, parent, parent's
+    score), the sibling and the first child pushed after each pop. A path is the rank tuple nested as
+    (parent's path, rank), ((), r) at depth 1: nested tuples of one depth compare as their flat rank tuples
+    do, and each is built in O(1); no two paths are equal, so ties never compare the last two fields.
+    lattice: [D, K] float32 or float64 host log-probs, read as Python floats (float64, exactly); n_max >= 1;
+    l_ar: seconds.
     """
     depth_count, width = lattice.shape
     limit = min(n_max, HEAP_NODES)
     item, firsts = lattice.item, lattice[:, 0].tolist()
-    push, pop, exp = heapq.heappush, heapq.heappop, math.exp
-    heap: list[HeapEntry] = [(-firsts[0], 1, ((), 0), ROOT, firsts[0])]
+    push, replace, pop, exp = heapq.heappush, heapq.heapreplace, heapq.heappop, math.exp
+    heap: list[HeapEntry] = [(-firsts[0], 1, ((), 0), ROOT, 0.0)]
     scores: list[float] = []
     parents: list[int] = []
     depths: list[int] = []
     ranks: list[int] = []
-    seconds: list[float] = []
-    covered, drafted, previous = 0, 0.0, -math.inf
+    add_score, add_parent, add_depth, add_rank = scores.append, parents.append, depths.append, ranks.append
+    seconds = cycle.cover(min(limit, COST_CHUNK)).tolist()
+    covered, accepted, previous = len(seconds), 1.0, -math.inf
     for index in range(limit):
         if index == covered:
             seconds = cycle.cover(min(limit, index + COST_CHUNK)).tolist()
             covered = len(seconds)
-        _, depth, path, parent, score = pop(heap)
+        key, depth, path, parent, base = heap[0]
+        score = -key  # exact: the score the entry was pushed with
         up, last = path
-        scores.append(score)
-        parents.append(parent)
-        depths.append(depth)
-        ranks.append(last)
-        drafted += exp(score)
-        estimate = (1.0 + drafted) * l_ar / seconds[index]
+        add_score(score)
+        add_parent(parent)
+        add_depth(depth)
+        add_rank(last)
+        accepted += exp(score)
+        estimate = accepted * l_ar / seconds[index]
         if estimate < previous or index + 1 == limit:
             prefix = np.array(scores)
             stop = _first_drop_within(prefix, cycle.cover(index + 1), l_ar)
             if stop is not None:
                 return HostNodes.of_lists(prefix[:stop], parents[:stop], depths[:stop], ranks[:stop])
         previous = estimate
+        # the top leaves the heap by the first push (one sift for pop and push) or, with none, by heappop
         if last + 1 < width:
-            sibling = (0.0 if parent == ROOT else scores[parent]) + item(depth - 1, last + 1)
-            push(heap, (-sibling, depth, (up, last + 1), parent, sibling))
-        if depth < depth_count:
+            sibling = base + item(depth - 1, last + 1)
+            replace(heap, (-sibling, depth, (up, last + 1), parent, base))
+            if depth < depth_count:
+                child = score + firsts[depth]
+                push(heap, (-child, depth + 1, (path, 0), index, score))
+        elif depth < depth_count:
             child = score + firsts[depth]
-            push(heap, (-child, depth + 1, (path, 0), index, child))
+            replace(heap, (-child, depth + 1, (path, 0), index, score))
+        else:
+            pop(heap)
     return HostNodes.of_lists(scores, parents, depths, ranks) if limit == n_max else None
 
 
@@ -178,6 +189,6 @@ def _first_drop_within(scores: np.ndarray, cycle: np.ndarray, l_ar: float) -> in
     """n* if Ŝ first drops before the prefix's last node, else None. scores: [m] float64 log ρ of the first m
     best-first nodes; cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
     `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ."""
-    accept = 1.0 + np.cumsum(np.exp(scores))  # Â(1..m): the values of `accept_curves`
+    accept = 1.0 + np.add.accumulate(np.exp(scores))  # Â(1..m): the values of `accept_curves` (a cumsum)
     drop = first_drop(accept * l_ar / cycle)
     return drop + 1 if drop < scores.shape[0] - 1 else None

@@ -49,8 +49,11 @@ def first_drop(values: np.ndarray) -> int:
 
     values: [M] float64 host array, M >= 1.
     """
-    drops = np.flatnonzero(values[1:] < values[:-1])
-    return int(drops[0]) if drops.size else values.shape[0] - 1
+    if values.shape[0] == 1:
+        return 0
+    drops = values[1:] < values[:-1]
+    first = int(drops.argmax())  # also 0 when nothing drops: the flag tells the two apart
+    return first if drops[first] else values.shape[0] - 1
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ PLAN_BATCHES = (1, 8, 32)
 PLAN_BUDGETS = (256, 1024)
 GOAL_BUILDER_RATIO = 4.0
 """Done-when: the exact builder at 1024 nodes this many times faster than the lazy heap (same run)."""
+WARMUP_CALLS = 2
+WARMUP_SECONDS = 2e-3
+"""Warm-up of each case: a cold call of a 50 µs plan costs up to 1.3x a warm one, for about ten calls."""
 GOAL_ADAPTIVE_US = 50.0
 """Done-when: fused adaptive planning with n* about 32 at N_max = 1024, microseconds (CPU)."""
 GOAL_PLAN_US = 1000.0
@@ -87,9 +90,12 @@ class BenchReport(BaseModel):
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
-    """Wall times in microseconds of `repeats` calls after two warm-up calls (synchronising on CUDA)."""
-    for _ in range(2):
+    """Wall times in microseconds of `repeats` calls (synchronising on CUDA) after a warm-up of at least
+    WARMUP_CALLS calls and WARMUP_SECONDS: the first calls after another case run measurably slower."""
+    started, calls = time.perf_counter(), 0
+    while calls < WARMUP_CALLS or time.perf_counter() - started < WARMUP_SECONDS:
         fn()
+        calls += 1
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":

@@ -152,23 +152,35 @@ class _Candidates:
         self.size += scores.shape[0]
 
 
+def host_values(logprobs: torch.Tensor) -> np.ndarray:
+    """[D, K] log-probs as a float32 or float64 host array holding exactly the draft's values (half-precision
+    drafts widened to float32, which is exact)."""
+    host = logprobs.detach().cpu()  # host sync where the draft lives on a device
+    if host.dtype not in (torch.float32, torch.float64):
+        host = host.to(torch.float32)  # bfloat16 has no numpy dtype
+    return host.numpy()
+
+
 def host_logprobs(logprobs: torch.Tensor) -> np.ndarray:
     """[D, K] log-probs as a float64 host array, converted as the heap converts them (widening is exact)."""
-    host = logprobs.detach().cpu()  # host sync where the draft lives on a device
-    if host.dtype in (torch.float32, torch.float64):
-        return host.numpy().astype(np.float64)
-    return host.to(torch.float64).numpy()  # bfloat16 has no numpy dtype
+    return host_values(logprobs).astype(np.float64)
+
+
+def checked_host_values(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
+    """`validate_draft` of one [D, K] draft, the values checked on the host copy; returns that copy, [D, K]
+    float32 or float64 (`host_values`). Raises the ValueErrors of `validate_draft`."""
+    validate_layout(logprobs, token_ids, batched=False)
+    values = host_values(logprobs)
+    # rows sorted descending from a first entry <= 0: every entry <= 0; NaN fails every comparison
+    holds = np.count_nonzero(values[:, 0] <= 0.0) + np.count_nonzero(values[:, 1:] <= values[:, :-1])
+    if holds != values.size:
+        validate_draft(logprobs, token_ids, batched=False)  # raises, naming the problem
+    return values
 
 
 def checked_host_draft(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
-    """`validate_draft` of one [D, K] draft, the values checked on the host copy; returns that copy, [D, K]
-    float64 (`host_logprobs`). Raises the ValueErrors of `validate_draft`."""
-    validate_layout(logprobs, token_ids, batched=False)
-    lattice = host_logprobs(logprobs)
-    # rows sorted descending from a first entry <= 0: every entry <= 0; NaN fails every comparison (and max)
-    if not (lattice[:, 0].max() <= 0.0 and (lattice[:, 1:] <= lattice[:, :-1]).all()):
-        validate_draft(logprobs, token_ids, batched=False)  # raises, naming the problem
-    return lattice
+    """`checked_host_values` widened: [D, K] float64, the values of `host_logprobs`."""
+    return checked_host_values(logprobs, token_ids).astype(np.float64)
 
 
 def host_token_ids(token_ids: torch.Tensor) -> np.ndarray:

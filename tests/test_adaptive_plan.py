@@ -91,6 +91,22 @@ def test_matches_full_build_then_first_drop(name: str, seed: int) -> None:
     assert len(sizes) >= 4  # the costs spread n* from a few nodes to the budget
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_narrow_drafts_match_full_build(dtype: torch.dtype) -> None:
+    # The heap phase reads a float32 (or widened half-precision) draft as it is and the chunk phase widens it
+    # to float64: both must give build_tree's float64 scores. Half precision also makes exact ties.
+    model = latency_models()["fit"]
+    logprobs, token_ids = draft(5)
+    narrow = logprobs.to(dtype)
+    sizes = set()
+    for per_token in TOKEN_COSTS:
+        want = unfused(narrow, token_ids, 1024, 1024, model, costs(per_token))
+        got = plan_adaptive(narrow, token_ids, 1024, 1024, model, costs(per_token))
+        assert_same_tree(got, want, per_token)
+        sizes.add(len(want))
+    assert min(sizes) < adaptive_plan.HEAP_NODES < max(sizes)  # both phases decided
+
+
 @pytest.mark.parametrize("heap_nodes", [1, 2, 3, 7])
 @pytest.mark.parametrize("cost_chunk", [1, 5, 4096])
 def test_every_chunk_boundary(monkeypatch: pytest.MonkeyPatch, heap_nodes: int, cost_chunk: int) -> None:
