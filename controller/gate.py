@@ -13,7 +13,10 @@ more than a plain step). So before drafting, the caller may pass a `ceiling`: th
 speculative plan could reach this step, the last drafted step's whole-tree Â over the cheapest speculative
 cycle of this batch (`speculation_ceiling`). While the ceiling is at most 1, a probe the backoff asks for is
 skipped too; only a refresh probe after `max_backoff` steps without drafting still runs (the text may have
-become easier). When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's
+become easier). Each refresh that finds speculation still unprofitable doubles that interval, up to
+`max_refresh`, and any probe that pays resets it: where a drafter pass costs more than a plain step (a CPU, a
+large batch) a long stretch with nothing to gain is probed ever more rarely (one pass in `max_refresh` steps
+at worst). When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's
 probes run again.
 """
 
@@ -30,21 +33,27 @@ if TYPE_CHECKING:
 
 @dataclass
 class SpeculationGate:
-    """The module docstring's state machine. min_backoff / max_backoff: steps skipped after a failed probe."""
+    """The module docstring's state machine. min_backoff / max_backoff: steps skipped after a failed probe;
+    max_refresh: the longest interval, in steps without drafting, between refresh probes."""
 
     min_backoff: int = 1
     max_backoff: int = 64
+    max_refresh: int = 256
     _backoff: int = field(default=0, init=False)
     _skip_remaining: int = field(default=0, init=False)
     _skipped: int = field(default=0, init=False)
     _steps: int = field(default=0, init=False)
     _since_draft: int = field(default=0, init=False)
+    _refresh_after: int = field(default=0, init=False)
+    _refreshing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_backoff <= self.max_backoff:
+        if not 1 <= self.min_backoff <= self.max_backoff <= self.max_refresh:
             raise ValueError(
-                f"need 1 <= min_backoff <= max_backoff, got {self.min_backoff} and {self.max_backoff}"
+                "need 1 <= min_backoff <= max_backoff <= max_refresh, got "
+                f"{self.min_backoff}, {self.max_backoff} and {self.max_refresh}"
             )
+        self._refresh_after = self.max_backoff
 
     def should_draft(self, ceiling: Callable[[], float] | None = None) -> bool:
         """Called once at the start of every decode step: True to draft (speculate or probe), else skip.
@@ -53,7 +62,8 @@ class SpeculationGate:
         self._steps += 1
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
-        elif ceiling is None or self._since_draft >= self.max_backoff or ceiling() > 1.0:
+        elif ceiling is None or self._since_draft >= self._refresh_after or ceiling() > 1.0:
+            self._refreshing = ceiling is not None and self._since_draft >= self._refresh_after
             self._since_draft = 0
             return True
         self._skipped += 1
@@ -64,7 +74,10 @@ class SpeculationGate:
         """After a drafted step's plan: the estimated speedup of its best speculative plan."""
         if speculative_speedup > 1.0:
             self._backoff = 0
+            self._refresh_after = self.max_backoff
             return
+        if self._refreshing:
+            self._refresh_after = min(2 * self._refresh_after, self.max_refresh)
         self._backoff = self.min_backoff if self._backoff == 0 else min(2 * self._backoff, self.max_backoff)
         self._skip_remaining = self._backoff
 

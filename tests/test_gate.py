@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -69,6 +70,8 @@ def test_a_paying_probe_resumes_speculation() -> None:
 def test_bad_backoff_is_refused() -> None:
     with pytest.raises(ValueError, match="min_backoff <= max_backoff"):
         SpeculationGate(min_backoff=4, max_backoff=2)
+    with pytest.raises(ValueError, match="max_backoff <= max_refresh"):
+        SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=4)
 
 
 class Ceiling:
@@ -92,6 +95,19 @@ def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
     # run, until 8 steps passed without drafting: a refresh probe, asked nothing
     assert drafted == [False] * 8 + [True] + [False] * 3
     assert low.calls == 7 + 3
+
+
+def test_failed_refreshes_stretch_the_refresh_interval_up_to_max_refresh() -> None:
+    gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16)
+    drafted = drafted_steps(gate, 0.6, 120, Ceiling(0.5))
+    probes = [step for step, draft in enumerate(drafted) if draft]
+    # the first refresh after 4 steps without drafting, then 8, then 16 at most
+    assert probes[0] == 4
+    assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)] == [8] + [16] * 6
+    # a refresh that finds speculation paying brings the interval back to max_backoff
+    paying = drafted_steps(gate, 1.2, 40, Ceiling(0.5))
+    probes = [step for step, draft in enumerate(paying) if draft]
+    assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)][:3] == [4, 4, 4]
 
 
 def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
