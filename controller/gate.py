@@ -62,10 +62,12 @@ class SpeculationGate:
         self._steps += 1
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
-        elif ceiling is None or self._since_draft >= self._refresh_after or ceiling() > 1.0:
-            self._refreshing = ceiling is not None and self._since_draft >= self._refresh_after
-            self._since_draft = 0
-            return True
+        else:
+            refresh = ceiling is not None and self._since_draft >= self._refresh_after
+            if ceiling is None or refresh or ceiling() > 1.0:
+                self._refreshing = refresh
+                self._since_draft = 0
+                return True
         self._skipped += 1
         self._since_draft += 1
         return False
