@@ -498,14 +498,26 @@ class BastionWorker(DFlashWorkerV2):
                     grammar_mask.apply(next_logits)
             if sampling_info.logit_bias is not None:
                 next_logits.view(bs, width, -1).add_(sampling_info.logit_bias[:, None, :])
-            if sampling_info.is_all_greedy:
-                accept = kernels.accept_greedy(rows, next_logits.view(bs, width, -1))
-            else:
+            probs = uniforms = None
+            if not sampling_info.is_all_greedy:
                 probs = target_sampling_probs(next_logits, sampling_info, width, self._sampling_backend)
                 uniforms = kernels.position_uniforms(draft_input.seeds, prefix[:, None] + 1 + rows.depths)
-                accept = kernels.accept_sampling(rows, probs, uniforms)
-            order = kernels.compaction_order(accept.accept_index, accept.accept_length)
-            out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
+            if width == 1:  # roots only (a plain step): the target's token is the step's one token
+                targets = (
+                    torch.argmax(next_logits, dim=-1)
+                    if probs is None
+                    else kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
+                )
+                accept = kernels.accept_roots(targets)
+                order, out_tokens = accept.accept_index, targets[:, None]
+            else:
+                accept = (
+                    kernels.accept_greedy(rows, next_logits.view(bs, width, -1))
+                    if probs is None
+                    else kernels.accept_sampling(rows, probs, uniforms)
+                )
+                order = kernels.compaction_order(accept.accept_index, accept.accept_length)
+                out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
             commit_lens = (accept.accept_length + 1).to(torch.int32)  # [B] tokens emitted
             new_seq_lens = prefix + commit_lens.to(torch.int64)
         if on_publish is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "TreeBatch",
     "VerifyLayout",
     "accept_greedy",
+    "accept_roots",
     "accept_sampling",
     "accept_walk",
     "accepted_kv_moves",
@@ -163,6 +164,18 @@ def accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> AcceptResult
     """
     checks.check_accept_greedy(trees, target_logits)
     return _accept_walk_unchecked(trees, torch.argmax(target_logits, dim=-1))
+
+
+def accept_roots(target_tokens: torch.Tensor) -> AcceptResult:
+    """The accept walk's result for verify rows that hold only their roots (W = 1, a plain step): no draft
+    node to walk, so each request emits the target's token after its root.
+
+    target_tokens: [B] int64. Returns AcceptResult (accept_index [B, 1] zeros, accept_length [B] zeros,
+    bonus_tokens = target_tokens): what `accept_walk` returns for such rows. No host sync.
+    """
+    checks.check_accept_roots(target_tokens)
+    zeros = torch.zeros_like(target_tokens)
+    return AcceptResult(accept_index=zeros[:, None], accept_length=zeros, bonus_tokens=target_tokens)
 
 
 def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

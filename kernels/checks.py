@@ -126,6 +126,12 @@ def check_accept_walk(trees: TreeBatch, target_tokens: torch.Tensor) -> None:
     _require_device("target_tokens", target_tokens, trees.tokens.device)
 
 
+def check_accept_roots(target_tokens: torch.Tensor) -> None:
+    """target_tokens [B] int64."""
+    _require_tensor("target_tokens", target_tokens)
+    _require_int64("target_tokens", target_tokens, "[B]", 1)
+
+
 def check_accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> None:
     """trees: a TreeBatch [B, W]; target_logits [B, W, V] floating, V >= 1."""
     check_tree_batch(trees)

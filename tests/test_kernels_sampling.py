@@ -16,6 +16,7 @@ from bastion_sglang.kernels import (
     AcceptResult,
     TreeBatch,
     accept_greedy,
+    accept_roots,
     accept_sampling,
     position_uniforms,
     sample_tokens,
@@ -345,3 +346,32 @@ def test_accept_sampling_rejects_bad_inputs():
         accept_sampling(trees, probs[..., 0], torch.rand(2, 8))
     with pytest.raises(ValueError, match=r"target_probs must be a floating tensor, got torch\.int64"):
         accept_sampling(trees, probs.long(), torch.rand(2, 8))
+
+
+def test_accept_roots_equals_the_walk_over_roots_only_rows():
+    """A plain step's rows hold only their roots: accept_roots returns what both walks return there."""
+    gen = torch.Generator().manual_seed(5)
+    batch = 6
+    roots = TreeBatch(
+        tokens=torch.randint(0, VOCAB, (batch, 1), generator=gen),
+        parents=torch.full((batch, 1), -1, dtype=torch.int64),
+        depths=torch.zeros((batch, 1), dtype=torch.int64),
+    )
+    logits = torch.randn(batch, 1, VOCAB, generator=gen)
+    probs = torch.softmax(logits, dim=-1)
+    uniforms = torch.rand(batch, 1, generator=gen)
+    for walked, targets in (
+        (accept_greedy(roots, logits), logits[:, 0].argmax(dim=-1)),
+        (accept_sampling(roots, probs, uniforms), sample_tokens(probs[:, 0], uniforms[:, 0])),
+    ):
+        plain = accept_roots(targets)
+        assert torch.equal(plain.accept_index, walked.accept_index)
+        assert torch.equal(plain.accept_length, walked.accept_length)
+        assert torch.equal(plain.bonus_tokens, walked.bonus_tokens)
+
+
+def test_accept_roots_rejects_bad_inputs():
+    with pytest.raises(ValueError, match=r"target_tokens must be \[B\], got shape \(2, 1\)"):
+        accept_roots(torch.zeros((2, 1), dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"target_tokens must be int64, got torch\.int32"):
+        accept_roots(torch.zeros(2, dtype=torch.int32))
