@@ -55,7 +55,7 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec
-from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker
 from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
 from bastion_sglang.draft_protocols import load_draft_logits_rewriter
 from bastion_sglang.graph_buckets import (
@@ -302,7 +302,9 @@ class BastionWorker(DFlashWorkerV2):
         self._last_decode_end: float | None = None  # host clock at the end of the last decode step
         self._rewriter = load_draft_logits_rewriter(self.config)
         self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
-        self._costs = StepCostTracker(prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha)
+        self._costs = StepCostTracker(
+            prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha, warmup_steps=COLD_STEPS
+        )
         self._gate = SpeculationGate()
         # drafted positions the LM head scores; fixed-size policies keep all (their trees stay DDTree's)
         depth = block_size - 1

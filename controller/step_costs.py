@@ -17,10 +17,17 @@ ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measure
 few dozen steps (one drafted step at another batch size sets the draft line's slope), and a tiny ema_alpha
 keeps the profile.
 
-First-step rule, the one online cost estimate of the worker and the reference engine: every step enters the
-sums at weight 1 after they decay, so without a prior the first measured step sets both lines outright
-(its seconds, slope 0), and step n then weighs 1 / (1 + decay + … + decay^(n-1)), which falls to 1 - decay.
-With a prior the first step is one step against `prior_weight` pseudo-steps.
+Warm-up: the first `warmup_steps` observed steps are left out; the worker and the reference engine leave out
+COLD_STEPS. Those pay one-time costs (the first calls into the drafter, the verify path and their
+allocations): at tp 2 on CPU the first drafted step took 357 ms against 130-180 ms for the next ones, and
+lines set from it priced every speculative plan below plain decoding, so the speculation gate skipped the
+drafter with nothing left to correct the estimate (it is measured only on drafted steps).
+
+First-step rule, the one online cost estimate of the worker and the reference engine: every measured step
+enters the sums at weight 1 after they decay, so without a prior the first measured step sets both lines
+outright (its seconds, slope 0), and step n then weighs 1 / (1 + decay + … + decay^(n-1)), which falls to
+1 - decay. With a prior the first measured step is one step against `prior_weight` pseudo-steps. Until then
+the costs are the prior's (zeros without one: a drafted step is then priced at its verify pass alone).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from dataclasses import dataclass
 
 from bastion_sglang.controller.profile import StepCosts
 
+COLD_STEPS = 1
+"""Drafted steps of an engine whose costs are not measured (module docstring, warm-up)."""
 PRIOR_TOKENS = 64
 """Token count of the prior's second aux pseudo-step (the first is at 1 token): two points fix its line."""
 PRIOR_BATCHES = (1, 2)
@@ -84,17 +93,24 @@ class StepCostTracker:
     """Running T_draft(B), T_aux and t_aux_per_token (module docstring).
 
     prior: the profile's StepCosts, or None. decay: weight the running sums keep per step, in (0, 1).
-    prior_weight: pseudo-steps the prior counts for, > 0.
+    prior_weight: pseudo-steps the prior counts for, > 0. warmup_steps: first observed steps left out, >= 0.
     """
 
     def __init__(
-        self, prior: StepCosts | None = None, decay: float = 0.95, prior_weight: float = 10.0
+        self,
+        prior: StepCosts | None = None,
+        decay: float = 0.95,
+        prior_weight: float = 10.0,
+        warmup_steps: int = 0,
     ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         if not prior_weight > 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
         self._decay = decay
+        self._warmup_left = warmup_steps
         self._steps = 0
         self._aux = DecayingLine()  # seconds over verify tokens of the batch
         self._draft = DecayingLine()  # seconds over requests in the batch
@@ -106,11 +122,15 @@ class StepCostTracker:
 
     @property
     def steps(self) -> int:
+        """Steps measured so far (warm-up steps not counted)."""
         return self._steps
 
     def observe(self, draft_seconds: float, aux_seconds: float, tokens: int, batch: int = 1) -> None:
-        """One measured drafted step: drafter seconds, seconds outside the forwards, verify tokens of the
-        batch, requests in the batch."""
+        """One drafted step: drafter seconds, seconds outside the forwards, verify tokens of the batch,
+        requests in the batch. Left out while warm-up steps remain."""
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return
         for line in (self._aux, self._draft):
             line.decay(self._decay)
         self._aux.add(1.0, tokens, aux_seconds)

@@ -97,3 +97,24 @@ def test_first_step_rule_without_a_prior() -> None:
     newest = 1 / (1 + 0.9)
     assert tracker.draft_seconds(1) == pytest.approx(0.02 + newest * (0.03 - 0.02))
     assert tracker.aux_line()[0] == pytest.approx(0.004 + newest * (0.006 - 0.004))
+
+
+def test_warmup_steps_are_left_out() -> None:
+    """A cold first step (one-time costs) does not set the lines; the steps after it do, by the first-step
+    rule. Until then the costs are the prior's, or zeros without one."""
+    tracker = StepCostTracker(decay=0.9, warmup_steps=1)
+    tracker.observe(0.25, 0.06, 8, 6)
+    assert tracker.steps == 0
+    assert tracker.costs(l_ar=0.05, batch=6).t_draft == 0.0
+    assert tracker.aux_line() == (0.0, 0.0)
+    tracker.observe(0.04, 0.008, 8, 6)
+    assert tracker.steps == 1
+    assert tracker.draft_seconds(6) == pytest.approx(0.04)
+    assert tracker.aux_line() == pytest.approx((0.008, 0.0))
+    prior = StepCosts(t_draft=0.01, t_aux=0.002, l_ar=0.05)
+    with_prior = StepCostTracker(prior=prior, warmup_steps=2)
+    for _ in range(2):
+        with_prior.observe(0.25, 0.06, 8, 6)
+    assert with_prior.costs(l_ar=0.05, batch=6).t_draft == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
+        StepCostTracker(warmup_steps=-1)

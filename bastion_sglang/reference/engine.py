@@ -35,7 +35,7 @@ from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
-from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker
 from bastion_sglang.draft_protocols import DraftInput, DraftSource
 from bastion_sglang.drafter_config import check_drafter_fits
 from bastion_sglang.kernels import (
@@ -147,7 +147,7 @@ class ReferenceEngine:
         self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
         self.step_costs = step_costs
         self.acceptance = acceptance
-        self._costs = StepCostTracker(decay=COST_DECAY)
+        self._costs = StepCostTracker(decay=COST_DECAY, warmup_steps=COLD_STEPS)
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
         self.max_nodes = max_nodes
