@@ -13,8 +13,10 @@ stand-in Engine, and the argument errors.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import statistics
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -385,15 +387,45 @@ def test_spread_of_known_values() -> None:
         Spread(median=5.0, min=1.0, max=3.0)
 
 
-def test_repeat_order_rotates_by_one_per_repeat() -> None:
-    policies = tuple(BenchPolicy(name, "bastion") for name in ("chain", "fixed:4", "adaptive"))
-    orders = [[p.name for p in repeat_order(policies, r)] for r in range(4)]
-    assert orders == [
-        ["chain", "fixed:4", "adaptive"],
-        ["fixed:4", "adaptive", "chain"],
-        ["adaptive", "chain", "fixed:4"],
-        ["chain", "fixed:4", "adaptive"],
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 8, 9])
+def test_repeat_order_is_balanced_for_carry_over(count: int) -> None:
+    """Over one period of the Williams design (n rounds for even n, 2n for odd n) every policy takes every
+    position equally often and follows every other policy equally often; later rounds repeat the rows."""
+    policies = tuple(BenchPolicy(f"fixed:{i + 1}", "bastion") for i in range(count))
+    period = count if count % 2 == 0 else 2 * count
+    orders = [[p.name for p in repeat_order(policies, r)] for r in range(period + 2)]
+    names = [p.name for p in policies]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    rows = orders[:period]
+    for position in range(count):
+        assert Counter(order[position] for order in rows) == Counter(
+            {name: period // count for name in names}
+        )
+    follows = Counter((a, b) for order in rows for a, b in itertools.pairwise(order))
+    expected = period * (count - 1) // max(count * (count - 1), 1)
+    assert set(follows.values()) <= {expected}
+    assert len(follows) == count * (count - 1)
+    assert orders[period:] == orders[:2]
+
+
+def test_repeat_order_of_the_default_policies_never_puts_a_policy_after_the_same_one_twice() -> None:
+    names = ("ar", "chain", "fixed:1", "fixed:2", "fixed:4", "fixed:8", "fixed:16", "fixed:64", "adaptive")
+    policies = tuple(BenchPolicy(name, "bastion") for name in names)
+    orders = [[p.name for p in repeat_order(policies, r)] for r in range(3)]
+    assert orders[0] == [
+        "ar",
+        "chain",
+        "adaptive",
+        "fixed:1",
+        "fixed:64",
+        "fixed:2",
+        "fixed:16",
+        "fixed:4",
+        "fixed:8",
     ]
+    for name in names:
+        before = [order[order.index(name) - 1] for order in orders if order.index(name) > 0]
+        assert len(before) == len(set(before)), (name, before)
 
 
 def _measurement(

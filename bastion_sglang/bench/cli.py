@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=positive_int,
         default=DEFAULT_REPEATS,
-        help=f"rounds, each running every policy in a fresh Engine, the order rotated by one per round; rows "
+        help=f"rounds, each running every policy in a fresh Engine, in another order per round (a Williams "
+        f"design, balanced for position and for the policy each one follows); rows "
         f"report the median over the rounds with min and max (default {DEFAULT_REPEATS})",
     )
     parser.add_argument(

@@ -2,8 +2,9 @@
 
 Repeats: `--repeats R` rounds. In each, every policy gets a fresh Engine in a process of its own (fresh
 online latency corrections, caches and allocator), shut down before the next one starts. Round r (from 0)
-runs the policies rotated by r, policies[r:] + policies[:r], so slow drift of the machine (clocks, heat,
-other load) does not always favour the same policy; each round's order is logged and kept in the report.
+runs the policies in row r of a Williams design (`plan.repeat_order`), balanced for position and for the
+policy each one follows, so neither slow drift of the machine nor a policy that leaves it slower for the next
+one always falls on the same policy; each round's order is logged and kept in the report.
 Each Engine answers one warm-up request, then runs every temperature on the same prompts: a named set's
 held-out split by default (never seen in drafter training), a JSONL file whole, each rendered with the target
 tokenizer's chat template, sent in batches of `--concurrency` requests (one `Engine.generate(input_ids=[...],
