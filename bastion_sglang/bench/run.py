@@ -129,7 +129,7 @@ def package_versions() -> dict[str, str]:
 
 
 def run_bench(plan: BenchPlan) -> BenchReport:
-    """Run every repeat: each policy in a fresh process and Engine, in that repeat's rotated order, at every
+    """Run every repeat: each policy in a fresh process and Engine, in that repeat's order, at every
     temperature; return the report (unwritten).
 
     Raises RuntimeError naming the policy whose process failed.
