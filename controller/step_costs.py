@@ -19,7 +19,7 @@ keeps the profile.
 
 Warm-up: the first `warmup_steps` observed steps are left out; the worker and the reference engine leave out
 COLD_STEPS. Those pay one-time costs (the first calls into the drafter, the verify path and their
-allocations): at tp 2 on CPU the first drafted step took 357 ms against 130-180 ms for the next ones, and
+allocations): at tp 2 on CPU the first drafted step took 357 ms against 94-185 ms for the next ones, and
 lines set from it priced every speculative plan below plain decoding, so the speculation gate skipped the
 drafter with nothing left to correct the estimate (it is measured only on drafted steps).
 
