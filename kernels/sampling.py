@@ -31,6 +31,10 @@ class FilterRule(enum.Enum):
     SEQUENTIAL = "sequential"
 
 
+TOP_CANDIDATES = 256
+"""Tokens the JOINT rule ranks first (`torch.topk`) before it sorts a whole vocabulary row."""
+
+
 def filter_rule(sampling_backend: str, needs_top_k_or_top_p: bool, needs_min_p: bool) -> FilterRule:
     """The rule SGLang's sampler applies to a batch.
 
@@ -76,15 +80,58 @@ def processed_probs(
     probs = torch.softmax(logits.float() / temperatures.float()[:, None], dim=-1)
     if rule is FilterRule.NONE:
         return probs
+    if rule is FilterRule.JOINT and vocab > TOP_CANDIDATES:
+        return _joint_from_candidates(probs, top_ks, top_ps, min_ps)
+    return _filtered_by_sort(probs, top_ks, top_ps, min_ps, rule)
+
+
+def _joint_from_candidates(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
+    """The JOINT rule from each row's TOP_CANDIDATES most likely tokens, sorting only rows that keep them all.
+
+    Every JOINT test is monotone in rank (rank < top_k; the mass ranked before a token only grows; p only
+    falls), so a row keeps a prefix of its sorted order: when the last candidate is dropped, the candidates
+    decide the row exactly (the same values in the same order as a full sort, so the same cumulative sums).
+    A full vocabulary sort costs milliseconds on a CPU for the few hundred tokens top-p usually keeps.
+    probs: [M, V] softmax; the rest as `processed_probs`. Returns [M, V] float32 weights.
+    """
+    top_probs, top_order = torch.topk(probs, TOP_CANDIDATES, dim=-1)  # [M, K], sorted descending
+    kept, keep = _joint_kept(top_probs, top_ks, top_ps, min_ps)
+    out = torch.zeros_like(probs).scatter_(1, top_order, kept)
+    longer = keep[:, -1]  # [M] rows whose kept prefix may reach past the candidates
+    if bool(longer.any()):
+        out[longer] = _filtered_by_sort(
+            probs[longer], top_ks[longer], top_ps[longer], min_ps[longer], FilterRule.JOINT
+        )
+    return out
+
+
+def _joint_kept(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The JOINT rule on rows sorted descending (all V tokens or a leading prefix): (kept weights, keep mask),
+    both [M, K]."""
+    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep = (ranks < top_ks[:, None]) & (mass_before <= top_ps.float()[:, None])
+    keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
+    return sorted_probs.masked_fill(~keep, 0.0), keep
+
+
+def _filtered_by_sort(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, rule: FilterRule
+) -> torch.Tensor:
+    """JOINT or SEQUENTIAL over fully sorted rows. probs: [M, V] softmax. Returns [M, V] float32 weights."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    in_top_k = ranks < top_ks[:, None]
     if rule is FilterRule.JOINT:
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    else:
-        top_k_probs = sorted_probs * in_top_k
-        top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
-        mass_before = torch.cumsum(top_k_probs, dim=-1) - top_k_probs
+        kept, _ = _joint_kept(sorted_probs, top_ks, top_ps, min_ps)
+        return torch.zeros_like(probs).scatter_(1, order, kept)
+    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    in_top_k = ranks < top_ks[:, None]
+    top_k_probs = sorted_probs * in_top_k
+    top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
+    mass_before = torch.cumsum(top_k_probs, dim=-1) - top_k_probs
     keep = in_top_k & (mass_before <= top_ps.float()[:, None])
     keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
     kept = sorted_probs.masked_fill(~keep, 0.0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bastion_sglang import kernels
+from bastion_sglang.kernels.sampling import TOP_CANDIDATES
 
 sampler = pytest.importorskip("sglang.srt.layers.sampler")
 from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
@@ -33,11 +34,15 @@ def random_params(seed: int) -> tuple[torch.Tensor, ...]:
     return logits, temperatures, top_ks, top_ps, min_ps
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_joint_equals_sglangs_pytorch_sampler(seed: int) -> None:
-    logits, temperatures, top_ks, top_ps, min_ps = random_params(seed)
-    got = kernels.processed_probs(logits, temperatures, top_ks, top_ps, min_ps, kernels.FilterRule.JOINT)
-    probs = torch.softmax(logits / temperatures[:, None], dim=-1)  # what SGLang's sampler feeds its filter
+def sglang_joint_filter(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> torch.Tensor:
+    """[M, V] weights SGLang's pytorch-backend filter keeps, fed the softmax its sampler computes."""
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
     _, kept, order, _ = sampler.top_k_top_p_min_p_sampling_from_probs_torch(
         probs.clone(),
         top_ks.to(torch.int32),
@@ -45,11 +50,39 @@ def test_joint_equals_sglangs_pytorch_sampler(seed: int) -> None:
         min_ps,
         True,
         None,
-        torch.zeros(ROWS, dtype=torch.int64),
+        torch.zeros(probs.shape[0], dtype=torch.int64),
         return_filtered_probs=True,
     )
-    want = torch.zeros_like(probs).scatter_(1, order.to(torch.int64), kept)
+    return torch.zeros_like(probs).scatter_(1, order.to(torch.int64), kept)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_joint_equals_sglangs_pytorch_sampler(seed: int) -> None:
+    params = random_params(seed)
+    got = kernels.processed_probs(*params, kernels.FilterRule.JOINT)
+    assert torch.equal(got, sglang_joint_filter(*params))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_joint_over_a_large_vocabulary_equals_sglangs_sampler(seed: int) -> None:
+    """Past TOP_CANDIDATES tokens the JOINT rule ranks the candidates first and sorts only rows that keep them
+    all: the same weights, bit for bit, in a batch mixing both kinds of row."""
+    vocab = 4 * TOP_CANDIDATES
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn((ROWS, vocab), generator=generator) * 3
+    temperatures = torch.rand(ROWS, generator=generator) * 1.5 + 0.3
+    top_ks = torch.randint(1, vocab + 1, (ROWS,), generator=generator)
+    top_ks[::3] = TOP_K_ALL
+    top_ks[1::6] = TOP_CANDIDATES
+    top_ps = torch.rand(ROWS, generator=generator) * 0.9 + 0.1
+    top_ps[::4] = 1.0
+    min_ps = torch.rand(ROWS, generator=generator) * 0.05
+    min_ps[::2] = 0.0
+    got = kernels.processed_probs(logits, temperatures, top_ks, top_ps, min_ps, kernels.FilterRule.JOINT)
+    want = sglang_joint_filter(logits, temperatures, top_ks, top_ps, min_ps)
     assert torch.equal(got, want)
+    support = (want > 0).sum(dim=-1)
+    assert (support < TOP_CANDIDATES).any() and (support > TOP_CANDIDATES).any(), "both kinds of row"
 
 
 def flashinfer_rule(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
