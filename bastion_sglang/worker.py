@@ -55,7 +55,7 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec
-from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker
+from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
 from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
 from bastion_sglang.draft_protocols import load_draft_logits_rewriter
 from bastion_sglang.graph_buckets import (
@@ -128,6 +128,11 @@ class PendingStep:
     expected_drafted: list[float]  # [B] the plan's calibrated expected accepted drafts per request
     greedy: list[bool]  # [B] whether each request decodes greedily
     scales: list[float]  # [B] acceptance corrections the plan used
+
+
+DRAFT_SHAPE_CONTEXT = 256
+"""Cached tokens per request at which the target's latency model shapes the prior drafter cost over batch
+sizes (`controller.step_costs.draft_seconds_per_request`)."""
 
 
 PENDING_STEPS = 4
@@ -303,14 +308,24 @@ class BastionWorker(DFlashWorkerV2):
         self._rewriter = load_draft_logits_rewriter(self.config)
         self._timer: StageTimer[StepRecord] = StageTimer(torch.device(self.device))
         self._costs = StepCostTracker(
-            prior=profile_costs, prior_weight=1.0 / self.config.ema_alpha, warmup_steps=COLD_STEPS
+            prior=profile_costs,
+            prior_weight=1.0 / self.config.ema_alpha,
+            warmup_steps=COLD_STEPS,
+            prior_draft_per_request=0.0
+            if profile_costs is None
+            else draft_seconds_per_request(
+                profile_costs.t_draft,
+                self.latency,
+                min(block_size, self.config.verify_width_cap),
+                DRAFT_SHAPE_CONTEXT,
+            ),
         )
         self._gate = SpeculationGate()
         # drafted positions the LM head scores; fixed-size policies keep all (their trees stay DDTree's)
         depth = block_size - 1
         self._horizon = DraftHorizon(depth) if self.config.policy.may_decline else DraftHorizon.full(depth)
         self._deferred_context = DeferredDraftContext()  # drafter KV rows of steps that skipped the drafter
-        self._full_accept: float | None = None  # mean whole-tree Â of the last drafted step
+        self._accept_curve: tuple[float, ...] | None = None  # mean Â(n) of the last drafted step's trees
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (
             BastionMetrics(scheduler_metric_labels())
@@ -390,11 +405,11 @@ class BastionWorker(DFlashWorkerV2):
         costs = self._step_costs(contexts)
         drafting = True
         if self.config.policy.may_decline and self._rank_sync.leads:
-            full_accept = self._full_accept
+            accept_curve = self._accept_curve
             ceiling = (
                 None
-                if full_accept is None
-                else lambda: speculation_ceiling(full_accept, contexts, self.latency, costs)
+                if accept_curve is None
+                else lambda: speculation_ceiling(accept_curve, contexts, self.latency, costs)
             )
             drafting = self._gate.should_draft(ceiling)
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
@@ -429,7 +444,7 @@ class BastionWorker(DFlashWorkerV2):
                     allow_plain=not self._gate.skipping,
                 )
                 self._gate.record(plan.speculative_speedup)
-                self._full_accept = plan.full_accept
+                self._accept_curve = plan.accept_curve
             # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
             rows = self._rank_sync.share_rows(
                 kernels.flatten_trees(trees, draft_input.bonus_tokens, plan.width), top is not None

@@ -9,15 +9,15 @@ beats plain decoding, every step drafts again and the backoff returns to `min_ba
 shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps.
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1,
-more than a plain step). So before drafting, the caller may pass a `ceiling`: the highest speedup any
-speculative plan could reach this step, the last drafted step's whole-tree Â over the cheapest speculative
-cycle of this batch (`speculation_ceiling`). While the ceiling is at most 1, a probe the backoff asks for is
-skipped too; only a refresh probe after `max_backoff` steps without drafting still runs (the text may have
-become easier). Each refresh that finds speculation still unprofitable doubles that interval, up to
-`max_refresh`, and any probe that pays resets it: where a drafter pass costs more than a plain step (a CPU, a
-large batch) a long stretch with nothing to gain is probed ever more rarely (one pass in `max_refresh` steps
-at worst). When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's
-probes run again.
+more than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the
+best speculative plan this batch would get if its text were like the last drafted step's
+(`speculation_ceiling`: that step's mean Â curve, re-priced at this batch's contexts and step costs). While
+the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe after
+`max_backoff` steps without drafting still runs (the text may have become easier). Each refresh that finds
+speculation still unprofitable doubles that interval, up to `max_refresh`, and any probe that pays resets
+it: where a drafter pass costs more than a plain step (a CPU, a large batch) a long stretch with nothing to
+gain is probed ever more rarely (one pass in `max_refresh` steps at worst). When the batch shrinks the
+drafter gets cheaper, the ceiling rises above 1 and the backoff's probes run again.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bastion_sglang.controller.verify_passes import VerifyPasses, check_contexts
 
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
@@ -95,19 +99,25 @@ class SpeculationGate:
 
 
 def speculation_ceiling(
-    full_accept: float, contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
+    accept_curve: Sequence[float], contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
 ) -> float:
-    """The highest estimated speedup a speculative plan of this batch can reach if its text is like the last
-    drafted step's: Â(N) · L_AR / Ĉ(1).
+    """The estimated speedup of the best speculative plan of this batch if its text is like the last drafted
+    step's: max over n >= 1 of Â(n) · L_AR / Ĉ(n), every request verifying n nodes (SGLang's common width).
 
-    full_accept: `BatchPlan.full_accept` of the last drafted step, the mean over its requests of their whole
-    tree's Â (calibrated and corrected; Â(n) grows with n, so no plan exceeds it); contexts: [B] cached
-    tokens per request now; costs: this step's StepCosts (T_draft priced at this batch size). Ĉ(1) is the
-    cycle of the cheapest speculative pass, one node per request (width 2), which bounds every speculative
-    plan's cycle from below.
+    accept_curve: `BatchPlan.accept_curve` of the last drafted step, [N + 1] mean over its requests of the
+    corrected Â(n), n = 0..N (N >= 1); contexts: [B] cached tokens per request now; costs: this step's
+    StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a common width, so
+    for the same trees, contexts and costs this is the speculative speedup `plan_batch` reports for the
+    adaptive policy (the first drop of a unimodal curve) and bounds every policy's. One latency prediction
+    over the N candidate widths. ValueError for an empty batch or a curve without a node.
     """
     if not contexts:
         raise ValueError("speculation_ceiling needs a batch of at least one request")
+    if len(accept_curve) < 2:
+        raise ValueError(f"speculation_ceiling needs Â(n) for n = 0..N with N >= 1, got {list(accept_curve)}")
     batch = len(contexts)
-    cycle = costs.cycle_seconds(latency.predict_batch([2] * batch, list(contexts)), 2 * batch)
-    return full_accept * costs.l_ar / float(cycle)
+    widths = np.arange(2, len(accept_curve) + 1, dtype=np.int64)  # n + 1 tokens per request, n = 1..N
+    passes = VerifyPasses.common(latency.padded_widths(widths), check_contexts(contexts))
+    cycle = costs.cycle_seconds(latency.predict_passes(passes), batch * widths)
+    speedups = np.asarray(accept_curve[1:], dtype=np.float64) * costs.l_ar / cycle
+    return float(speedups.max())

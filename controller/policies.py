@@ -271,7 +271,8 @@ class BatchPlan:
     estimated_speedup: float  # Σ Â · L_AR / (B · Ĉ): committed tokens per second over plain decoding's
     speculative_speedup: float  # estimated speedup of the best speculative plan (= estimated_speedup unless
     # the policy declined to speculate, when estimated_speedup is 1)
-    full_accept: float  # mean over requests of the whole tree's Â (all N nodes, corrected); 1 without a tree
+    accept_curve: tuple[float, ...]  # [N + 1] mean over requests of Â_i(n), n = 0..N (corrected); (1.0,)
+    # without a tree
 
     @property
     def speculates(self) -> bool:
@@ -280,10 +281,10 @@ class BatchPlan:
 
 
 def plain_plan(
-    batch: int, l_ar: float, speculative_speedup: float = 1.0, full_accept: float = 1.0
+    batch: int, l_ar: float, speculative_speedup: float = 1.0, accept_curve: tuple[float, ...] = (1.0,)
 ) -> BatchPlan:
     """Plain decoding for a batch of `batch` requests: no draft node, one token each, speedup exactly 1.
-    l_ar: the plain decode step's seconds (the pass it runs); speculative_speedup, full_accept: those of the
+    l_ar: the plain decode step's seconds (the pass it runs); speculative_speedup, accept_curve: those of the
     declined trees (defaults: no tree was drafted)."""
     return BatchPlan(
         node_counts=(0,) * batch,
@@ -293,7 +294,7 @@ def plain_plan(
         estimated_verify_seconds=l_ar,
         estimated_speedup=1.0,
         speculative_speedup=speculative_speedup,
-        full_accept=full_accept,
+        accept_curve=accept_curve,
     )
 
 
@@ -338,9 +339,9 @@ def plan_batch(
     common = len(set(counts)) == 1
     estimates = objective.common(chosen[:1]) if common else objective.ragged(chosen[None])
     speedup, verify = float(estimates.speedup[0]), float(estimates.verify_seconds[0])
-    full_accept = float(objective.accept[:, -1].mean())
+    accept_curve = tuple(objective.accept.mean(axis=0).tolist())
     if allow_plain and policy.may_decline and speedup <= 1.0:
-        return plain_plan(len(counts), costs.l_ar, speculative_speedup=speedup, full_accept=full_accept)
+        return plain_plan(len(counts), costs.l_ar, speculative_speedup=speedup, accept_curve=accept_curve)
     rows = np.arange(len(counts))
     return BatchPlan(
         node_counts=counts,
@@ -350,5 +351,5 @@ def plan_batch(
         estimated_verify_seconds=verify,
         estimated_speedup=speedup,
         speculative_speedup=speedup,
-        full_accept=full_accept,
+        accept_curve=accept_curve,
     )

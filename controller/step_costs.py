@@ -15,7 +15,12 @@ A prior (a profile's measured costs, T_draft measured at B = 1) enters the sums 
 pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at PRIOR_BATCHES) that decay like measured
 ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a
 few dozen steps (one drafted step at another batch size sets the draft line's slope), and a tiny ema_alpha
-keeps the profile.
+keeps the profile. The profile has no drafter timing at B > 1, so the prior's draft line takes its slope from
+the target's latency model on this hardware (`draft_seconds_per_request`): a drafter pass over B blocks grows
+as a verify pass of the target over B blocks does, flat where passes are bound by weight reads (a GPU at small
+batches), close to proportional where they are compute-bound (a CPU). On the CPU demo pair that prices a pass
+at B = 8 at 3.2 times the B = 1 profile's 19 ms, against 4.6 times measured (89 ms); a flat prior said 1.0
+times, so the first plans at B = 8 took the drafter for nearly free until a drafted step measured it.
 
 Warm-up: the first `warmup_steps` observed steps are left out; the worker and the reference engine leave out
 COLD_STEPS. Those pay one-time costs (the first calls into the drafter, the verify path and their
@@ -33,18 +38,24 @@ the costs are the prior's (zeros without one: a drafted step is then priced at i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bastion_sglang.controller.profile import StepCosts
+
+if TYPE_CHECKING:
+    from bastion_sglang.controller.latency import LatencyModel
 
 COLD_STEPS = 1
 """Drafted steps of an engine whose costs are not measured (module docstring, warm-up)."""
 PRIOR_TOKENS = 64
 """Token count of the prior's second aux pseudo-step (the first is at 1 token): two points fix its line."""
 PRIOR_BATCHES = (1, 2)
-"""Batch sizes of the draft prior's two pseudo-steps, both at the profile's T_draft (measured at B = 1): a
-flat line whose hold on the slope grows with `prior_weight`. A heavy prior (a tiny ema_alpha) keeps the
-profile's T_draft at every batch size; with the default weight the first drafted step at another batch size
-sets the slope (80 ms at B = 8 over an 18 ms prior gives 76 ms)."""
+"""Batch sizes of the draft prior's two pseudo-steps, on the line through the profile's T_draft (measured at
+B = 1) with the prior's seconds per request: its hold on the slope grows with `prior_weight`. A heavy prior (a
+tiny ema_alpha) keeps that line at every batch size; with the default weight the first drafted step at another
+batch size sets the slope (80 ms at B = 8 over a flat 18 ms prior gives 76 ms)."""
+SHAPE_BATCH = 8
+"""Batch size at which `draft_seconds_per_request` reads the target's latency model."""
 
 
 @dataclass
@@ -94,6 +105,8 @@ class StepCostTracker:
 
     prior: the profile's StepCosts, or None. decay: weight the running sums keep per step, in (0, 1).
     prior_weight: pseudo-steps the prior counts for, > 0. warmup_steps: first observed steps left out, >= 0.
+    prior_draft_per_request: slope of the prior's draft line, seconds per request beyond the first, >= 0
+    (`draft_seconds_per_request`; 0: flat).
     """
 
     def __init__(
@@ -102,6 +115,7 @@ class StepCostTracker:
         decay: float = 0.95,
         prior_weight: float = 10.0,
         warmup_steps: int = 0,
+        prior_draft_per_request: float = 0.0,
     ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
@@ -109,6 +123,8 @@ class StepCostTracker:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+        if not prior_draft_per_request >= 0:
+            raise ValueError(f"prior_draft_per_request must be >= 0 seconds, got {prior_draft_per_request!r}")
         self._decay = decay
         self._warmup_left = warmup_steps
         self._steps = 0
@@ -118,7 +134,9 @@ class StepCostTracker:
             for tokens in (1, PRIOR_TOKENS):
                 self._aux.add(prior_weight / 2, tokens, prior.t_aux + prior.t_aux_per_token * tokens)
             for batch in PRIOR_BATCHES:
-                self._draft.add(prior_weight / 2, batch, prior.t_draft)
+                self._draft.add(
+                    prior_weight / 2, batch, prior.t_draft + prior_draft_per_request * (batch - 1)
+                )
 
     @property
     def steps(self) -> int:
@@ -150,3 +168,22 @@ class StepCostTracker:
         """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds."""
         t_aux, per_token = self.aux_line()
         return StepCosts(t_draft=self.draft_seconds(batch), t_aux=t_aux, l_ar=l_ar, t_aux_per_token=per_token)
+
+
+def draft_seconds_per_request(
+    t_draft: float, latency: LatencyModel, block: int, context: int, batch: int = SHAPE_BATCH
+) -> float:
+    """Seconds per request beyond the first of a drafter pass that takes `t_draft` seconds at B = 1, as the
+    target's verify pass of `block` tokens per request grows from 1 to `batch` requests at `context` cached
+    tokens each (module docstring): t_draft · (L(batch) / L(1) - 1) / (batch - 1), >= 0.
+
+    latency: the target's latency model; block: the drafter's block size γ (tokens per request of its pass).
+    ValueError unless t_draft >= 0, block >= 1 and batch >= 2.
+    """
+    if not t_draft >= 0:
+        raise ValueError(f"t_draft must be >= 0 seconds, got {t_draft!r}")
+    if block < 1 or batch < 2:
+        raise ValueError(f"need block >= 1 and batch >= 2, got block {block} and batch {batch}")
+    one = latency.predict_batch([block], [context])
+    many = latency.predict_batch([block] * batch, [context] * batch)
+    return max(t_draft * (many / one - 1.0) / (batch - 1), 0.0)

@@ -118,9 +118,9 @@ def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
     assert high.calls == 3
 
 
-def test_the_ceiling_bounds_every_plan_of_the_same_trees() -> None:
-    """Ŝ of the best speculative plan never exceeds the ceiling built from the same trees, for every policy
-    and batch size (Â(n) <= Â(N) and Ĉ(n) >= Ĉ(1))."""
+def test_the_ceiling_is_adaptives_plan_and_bounds_every_plan_of_the_same_trees() -> None:
+    """Re-priced for the batch the trees were drafted for, the ceiling is the speculative speedup adaptive
+    reports (the best common width), and no policy's best speculative plan exceeds it, at every batch size."""
     fit = LatencyFit(beta_fixed=4e-3, alpha_gemm=1.4, alpha_tok=0.0, alpha_attn=1.1, alpha_kv=1.5)
     model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")), fit=fit)
     generator = torch.Generator().manual_seed(3)
@@ -136,23 +136,41 @@ def test_the_ceiling_bounds_every_plan_of_the_same_trees() -> None:
                 plan_batch(trees, contexts, model, costs, policy, accept_scale=scale)
                 for policy in (AdaptivePolicy(), FixedPolicy(1), FixedPolicy(64), ChainPolicy())
             ]
-            ceiling = speculation_ceiling(plans[0].full_accept, contexts, model, costs)
+            ceiling = speculation_ceiling(plans[0].accept_curve, contexts, model, costs)
+            assert plans[0].speculative_speedup == pytest.approx(ceiling, rel=1e-12), (batch, t_draft)
             for plan in plans:
-                assert plan.full_accept == plans[0].full_accept  # the whole tree, whatever the policy
+                assert plan.accept_curve == plans[0].accept_curve  # the whole tree, whatever the policy
                 assert plan.speculative_speedup <= ceiling * (1 + 1e-12), (batch, t_draft, plan)
 
 
-def test_the_plan_reports_the_mean_corrected_whole_tree_accept() -> None:
-    """full_accept = mean_i (1 + c_i · Σ_j ρ_ij) over all N nodes, also when the policy declines."""
+def test_the_ceiling_reprices_the_curve_for_the_batch_at_hand() -> None:
+    """The same Â curve against a dearer drafter or a larger batch's costs gives a lower ceiling; a curve
+    without a node or an empty batch is refused."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    curve = (1.0, 1.8, 2.4, 2.7)
+    cheap = StepCosts(t_draft=1e-3, t_aux=0.0, l_ar=model.predict_plain_batch([100]))
+    dear = StepCosts(t_draft=5e-2, t_aux=0.0, l_ar=cheap.l_ar)
+    assert speculation_ceiling(curve, [100], model, cheap) > 1.0
+    assert speculation_ceiling(curve, [100], model, dear) < speculation_ceiling(curve, [100], model, cheap)
+    first_node = 1.8 * cheap.l_ar / cheap.cycle_seconds(model.predict_batch([2], [100]), 2)
+    assert speculation_ceiling(curve[:2], [100], model, cheap) == pytest.approx(first_node, rel=1e-12)
+    with pytest.raises(ValueError, match="N >= 1"):
+        speculation_ceiling((1.0,), [100], model, cheap)
+    with pytest.raises(ValueError, match="at least one request"):
+        speculation_ceiling(curve, [], model, cheap)
+
+
+def test_the_plan_reports_the_mean_corrected_accept_curve() -> None:
+    """accept_curve[n] = mean_i (1 + c_i · Σ_{j<=n} ρ_ij), n = 0..N, also when the policy declines."""
     logprobs = torch.log(torch.tensor([[[0.5, 0.25]], [[0.1, 0.1]]], dtype=torch.float64))
     trees = build_trees(logprobs, torch.tensor([[[1, 2]], [[1, 2]]]), 2)
     model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
-    expected = ((1 + 0.75) + (1 + 2 * 0.2)) / 2
+    expected = (1.0, ((1 + 0.5) + (1 + 2 * 0.1)) / 2, ((1 + 0.75) + (1 + 2 * 0.2)) / 2)
     cheap = StepCosts(t_draft=1e-4, t_aux=0.0, l_ar=0.02)
     speculating = plan_batch(trees, [10, 10], model, cheap, FixedPolicy(1), accept_scale=[1.0, 2.0])
-    assert speculating.speculates and speculating.full_accept == pytest.approx(expected)
+    assert speculating.speculates and speculating.accept_curve == pytest.approx(expected)
     costly = StepCosts(t_draft=10.0, t_aux=0.0, l_ar=0.02)
     declined = plan_batch(
         trees, [10, 10], model, costly, AdaptivePolicy(), accept_scale=[1.0, 2.0], allow_plain=True
     )
-    assert not declined.speculates and declined.full_accept == pytest.approx(expected)
+    assert not declined.speculates and declined.accept_curve == pytest.approx(expected)

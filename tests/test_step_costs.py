@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.controller.roofline import QWEN3_8B, HardwareSpec, RooflineModel, lookup_gpu
+from bastion_sglang.controller.step_costs import StepCostTracker, draft_seconds_per_request
 
 
 def test_recovers_a_line_in_the_verify_tokens() -> None:
@@ -76,6 +78,31 @@ def test_one_drafted_step_at_a_larger_batch_prices_that_batch() -> None:
     tracker.observe(0.080, 0.001, 16, 8)
     assert tracker.draft_seconds(8) == pytest.approx(0.080, rel=0.06)
     assert tracker.draft_seconds(1) == pytest.approx(0.018, rel=0.25)
+
+
+def test_the_prior_draft_line_grows_as_the_target_does_on_this_hardware() -> None:
+    """The profile times the drafter at B = 1 only: its slope over B comes from the target's latency model,
+    near flat where a pass of B blocks is bound by weight reads (an H100 at B = 8), steep where it is
+    compute-bound (a slow CPU); the tracker's prior line goes through T_draft at B = 1 with that slope."""
+    gpu = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    cpu = LatencyModel(RooflineModel(QWEN3_8B, HardwareSpec(name="cpu", peak_flops=1e11, bandwidth=2e10)))
+    flat = draft_seconds_per_request(0.002, gpu, block=16, context=256)
+    steep = draft_seconds_per_request(0.002, cpu, block=16, context=256)
+    assert 0 <= flat < 0.1 * 0.002  # under a tenth of the B = 1 pass per extra request
+    assert steep > 0.5 * 0.002
+    one = cpu.predict_batch([16], [256])
+    eight = cpu.predict_batch([16] * 8, [256] * 8)
+    assert 0.002 + 7 * steep == pytest.approx(0.002 * eight / one)
+    prior = StepCosts(t_draft=0.002, t_aux=0.001, l_ar=0.017)
+    tracker = StepCostTracker(prior=prior, prior_weight=10.0, prior_draft_per_request=steep)
+    assert tracker.draft_seconds(1) == pytest.approx(0.002)
+    assert tracker.draft_seconds(8) == pytest.approx(0.002 + 7 * steep)
+    with pytest.raises(ValueError, match="prior_draft_per_request"):
+        StepCostTracker(prior=prior, prior_draft_per_request=-1e-3)
+    with pytest.raises(ValueError, match="batch >= 2"):
+        draft_seconds_per_request(0.002, cpu, block=16, context=256, batch=1)
+    with pytest.raises(ValueError, match="t_draft"):
+        draft_seconds_per_request(-0.002, cpu, block=16, context=256)
 
 
 def test_a_heavy_prior_keeps_the_profile_draft_cost_at_every_batch_size() -> None:
