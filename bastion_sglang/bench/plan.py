@@ -236,7 +236,8 @@ def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
 
 
 def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
-    """The ServerArgs record of `policy`'s Engine (BASTION's config attached as `attach_config` does)."""
+    """The ServerArgs record of `policy`'s Engine (BASTION's config attached as `attach_config` does). Every
+    policy's Engine exports metrics (the bench reads BASTION's series), so all of them do the same work."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
@@ -251,6 +252,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
         dtype=settings.dtype,
         random_seed=settings.seed,
         log_level=plan.sglang_log_level,
+        enable_metrics=True,
     )
     if settings.device == "cpu":
         kwargs["disable_cuda_graph"] = True
@@ -262,7 +264,6 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
         kwargs |= dict(
             speculative_algorithm="BASTION",
             speculative_draft_model_path=settings.draft_model_path,
-            enable_metrics=True,
         )
     elif policy.kind == "dflash":
         kwargs |= dict(speculative_algorithm="DFLASH", speculative_draft_model_path=settings.draft_model_path)
