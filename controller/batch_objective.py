@@ -117,11 +117,8 @@ class BatchObjective:
 
         nodes: [M] int64 in 0..N. ValueError when a width exceeds the latency model's largest bucket.
         """
-        batch = self.batch_size
-        widths = nodes + 1
-        passes = VerifyPasses.common(self.latency.padded_widths(widths), self.contexts)
         committed = self.accept[:, nodes].sum(axis=0)
-        return self._estimates(committed, passes, batch * widths)
+        return common_width_estimates(committed, nodes, self.contexts, self.latency, self.costs)
 
     def ragged(self, counts: np.ndarray) -> PlanEstimates:
         """Plan m: request i verifies counts[m, i] nodes; with width buckets every request of the pass is
@@ -169,8 +166,33 @@ class BatchObjective:
         return np.bincount(rows[:stop], minlength=batch).astype(np.int64)
 
     def _estimates(self, committed: np.ndarray, passes: VerifyPasses, tokens: np.ndarray) -> PlanEstimates:
-        """Ŝ of M plans. committed: [M] Σ_i Â_i; passes: their verify passes; tokens: [M] int64 tokens the
-        batch verifies, padding excluded (the per-token step cost's count)."""
-        verify = self.latency.predict_passes(passes)
-        cycle = self.costs.cycle_seconds(verify, tokens)
-        return PlanEstimates(committed * self.costs.l_ar / (self.batch_size * cycle), verify)
+        """Ŝ of M plans of this batch (`plan_estimates`)."""
+        return plan_estimates(committed, passes, tokens, self.batch_size, self.latency, self.costs)
+
+
+def plan_estimates(
+    committed: np.ndarray,
+    passes: VerifyPasses,
+    tokens: np.ndarray,
+    batch: int,
+    latency: LatencyModel,
+    costs: StepCosts,
+) -> PlanEstimates:
+    """Ŝ of M plans of a batch of `batch` requests. committed: [M] Σ_i Â_i; passes: their verify passes;
+    tokens: [M] int64 tokens the batch verifies, padding excluded (the per-token step cost's count)."""
+    verify = latency.predict_passes(passes)
+    cycle = costs.cycle_seconds(verify, tokens)
+    return PlanEstimates(committed * costs.l_ar / (batch * cycle), verify)
+
+
+def common_width_estimates(
+    committed: np.ndarray, nodes: np.ndarray, contexts: np.ndarray, latency: LatencyModel, costs: StepCosts
+) -> PlanEstimates:
+    """Ŝ of M plans in which every request of the batch verifies nodes[m] nodes (a pass of nodes[m] + 1 tokens
+    per request, padded to the latency model's bucket). committed: [M] Σ_i Â_i of each plan; nodes: [M]
+    int64 >= 0; contexts: [B] int64 cached tokens per request. ValueError when a width exceeds the latency
+    model's largest bucket."""
+    batch = contexts.shape[0]
+    widths = nodes + 1
+    passes = VerifyPasses.common(latency.padded_widths(widths), contexts)
+    return plan_estimates(committed, passes, batch * widths, batch, latency, costs)

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bastion_sglang.controller.verify_passes import VerifyPasses, check_contexts
+from bastion_sglang.controller.batch_objective import common_width_estimates
+from bastion_sglang.controller.verify_passes import check_contexts
 
 if TYPE_CHECKING:
     from bastion_sglang.controller.latency import LatencyModel
@@ -108,16 +109,15 @@ def speculation_ceiling(
     corrected Â(n), n = 0..N (N >= 1); contexts: [B] cached tokens per request now; costs: this step's
     StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a common width, so
     for the same trees, contexts and costs this is the speculative speedup `plan_batch` reports for the
-    adaptive policy (the first drop of a unimodal curve) and bounds every policy's. One latency prediction
-    over the N candidate widths. ValueError for an empty batch or a curve without a node.
+    adaptive policy (the first drop of a unimodal curve) and bounds every policy's: both price through
+    `batch_objective.common_width_estimates`, one latency prediction over the N candidate widths. ValueError
+    for an empty batch or a curve without a node.
     """
     if not contexts:
         raise ValueError("speculation_ceiling needs a batch of at least one request")
     if len(accept_curve) < 2:
         raise ValueError(f"speculation_ceiling needs Â(n) for n = 0..N with N >= 1, got {list(accept_curve)}")
-    batch = len(contexts)
-    widths = np.arange(2, len(accept_curve) + 1, dtype=np.int64)  # n + 1 tokens per request, n = 1..N
-    passes = VerifyPasses.common(latency.padded_widths(widths), check_contexts(contexts))
-    cycle = costs.cycle_seconds(latency.predict_passes(passes), batch * widths)
-    speedups = np.asarray(accept_curve[1:], dtype=np.float64) * costs.l_ar / cycle
-    return float(speedups.max())
+    nodes = np.arange(1, len(accept_curve), dtype=np.int64)
+    committed = len(contexts) * np.asarray(accept_curve[1:], dtype=np.float64)  # Σ_i Â_i(n) at the mean
+    estimates = common_width_estimates(committed, nodes, check_contexts(contexts), latency, costs)
+    return float(estimates.speedup.max())

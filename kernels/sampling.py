@@ -112,8 +112,20 @@ def _joint_kept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The JOINT rule on rows sorted descending (all V tokens or a leading prefix): (kept weights, keep mask),
     both [M, K]."""
-    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return _kept_sorted(sorted_probs, mass_before, top_ks, top_ps, min_ps)
+
+
+def _kept_sorted(
+    sorted_probs: torch.Tensor,
+    mass_before: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k, top-p (on `mass_before`, the mass ranked before each token under the rule) and min-p on rows
+    sorted descending: (kept weights, keep mask), both [M, K]."""
+    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
     keep = (ranks < top_ks[:, None]) & (mass_before <= top_ps.float()[:, None])
     keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
     return sorted_probs.masked_fill(~keep, 0.0), keep
@@ -128,11 +140,8 @@ def _filtered_by_sort(
         kept, _ = _joint_kept(sorted_probs, top_ks, top_ps, min_ps)
         return torch.zeros_like(probs).scatter_(1, order, kept)
     ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    in_top_k = ranks < top_ks[:, None]
-    top_k_probs = sorted_probs * in_top_k
+    top_k_probs = sorted_probs * (ranks < top_ks[:, None])
     top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
     mass_before = torch.cumsum(top_k_probs, dim=-1) - top_k_probs
-    keep = in_top_k & (mass_before <= top_ps.float()[:, None])
-    keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
-    kept = sorted_probs.masked_fill(~keep, 0.0)
+    kept, _ = _kept_sorted(sorted_probs, mass_before, top_ks, top_ps, min_ps)
     return torch.zeros_like(probs).scatter_(1, order, kept)
