@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
+import multiprocessing
 import statistics
 from collections import Counter
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ from bastion_sglang.bench.plan import (
     repeat_order,
 )
 from bastion_sglang.bench.report import BenchReport, BenchRow, RepeatMeasurement, Spread
+from bastion_sglang.bench.run import batch_bounds, rotated
 from bastion_sglang.bench.streaming import (
     ChunkArrival,
     DecodeTiming,
@@ -73,9 +76,25 @@ def _write_prompts(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchReport, Path, str]:
-    """(the report read back from bench.json, the output folder, stdout) of one `bastion bench` run."""
+class EngineEvents(logging.Handler):
+    """Collects `bench.server`'s "engine ready" and "engine shut down" records, as (event, label)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for event in ("engine ready", "engine shut down"):
+            if event in record.getMessage():
+                self.events.append((event, str(record.args[0])))  # type: ignore[index]
+
+
+@pytest.fixture(scope="module", params=["sequential", "interleaved"])
+def bench_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[BenchReport, Path, str, list[tuple[str, str]]]:
+    """(the report read back from bench.json, the output folder, stdout, the Engines' start and shutdown
+    events) of one `bastion bench` run on each schedule."""
     root = tmp_path_factory.mktemp("bench")
     target = make_tiny_target(root / "target", vocab_size=260, initializer_range=0.1)
     drafter = make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2], block_size=BLOCK_SIZE)
@@ -87,19 +106,69 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchReport, Pa
         "--policies", "ar,chain", "--device", "cpu", "--dtype", "float32", "--concurrency", str(CONCURRENCY),
         "--max-new-tokens", str(MAX_NEW_TOKENS), "--ignore-eos", "--max-budget", str(MAX_BUDGET),
         "--repeats", str(REPEATS), "--mem-fraction-static", "0.05", "--max-total-tokens", "8192",
-        "--sglang-log-level", "error", "--out", str(out),
+        "--sglang-log-level", "error", "--schedule", request.param, "--out", str(out),
     ]  # fmt: skip
     stdout = root / "stdout.txt"
-    with stdout.open("w") as handle, contextlib.redirect_stdout(handle):
-        status = cli.main(argv)
+    events = EngineEvents()
+    server_logger = logging.getLogger("bastion_sglang.bench.server")
+    server_logger.addHandler(events)
+    server_logger.setLevel(logging.INFO)
+    try:
+        with stdout.open("w") as handle, contextlib.redirect_stdout(handle):
+            status = cli.main(argv)
+    finally:
+        server_logger.removeHandler(events)
     assert status == 0
     report = BenchReport.model_validate_json((out / REPORT_NAME).read_text(encoding="utf-8"))
-    return report, out, stdout.read_text()
+    assert report.settings.schedule == request.param
+    return report, out, stdout.read_text(), events.events
+
+
+BenchRun = tuple[BenchReport, Path, str, list[tuple[str, str]]]
 
 
 @pytest.mark.slow
-def test_report_settings_and_repeat_orders(bench_run: tuple[BenchReport, Path, str]) -> None:
-    report, _, _ = bench_run
+def test_engines_run_one_at_a_time_or_all_together(bench_run: BenchRun) -> None:
+    """Sequential: each Engine shuts down before the next starts. Interleaved: every Engine of a repeat starts
+    before any shuts down. In repeat order either way."""
+    report, _, _, events = bench_run
+    expected = []
+    for repeat, order in enumerate(report.repeat_orders, start=1):
+        labels = [f"{name} (repeat {repeat})" for name in order]
+        if report.settings.schedule == "sequential":
+            expected += [(event, label) for label in labels for event in ("engine ready", "engine shut down")]
+        else:
+            expected += [("engine ready", label) for label in labels]
+            expected += [("engine shut down", label) for label in labels]
+    assert events == expected
+
+
+@pytest.mark.slow
+def test_a_failing_engine_names_its_policy_and_leaves_no_engine_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Interleaved: ar's Engine is up when chain's fails to load a drafter made for another target; the error
+    names chain and ar's process is shut down with it."""
+    target = make_tiny_target(tmp_path / "target", vocab_size=260)
+    other = make_tiny_target(tmp_path / "other", vocab_size=260, hidden_size=32, heads=2, kv_heads=1)
+    drafter = make_tiny_drafter(tmp_path / "drafter", other, target_layer_ids=[0, 2])
+    prompts = _write_prompts(tmp_path / "prompts.jsonl")
+    argv = [
+        "bench",
+        "--model-path", str(target), "--draft-model-path", str(drafter), "--prompts", str(prompts),
+        "--policies", "ar,chain", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "4",
+        "--repeats", "1", "--mem-fraction-static", "0.05", "--max-total-tokens", "8192",
+        "--sglang-log-level", "error", "--schedule", "interleaved", "--out", str(tmp_path / "results"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 1
+    assert "error: chain (repeat 1):" in capsys.readouterr().err
+    assert multiprocessing.active_children() == []
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_report_settings_and_repeat_orders(bench_run: BenchRun) -> None:
+    report, _, _, _ = bench_run
     assert [(row.policy, row.temperature) for row in report.rows] == [("ar", 0.0), ("chain", 0.0)]
     assert report.settings.num_prompts == len(PROMPTS)
     assert report.settings.split == "all"  # a prompt file is used whole
@@ -110,7 +179,7 @@ def test_report_settings_and_repeat_orders(bench_run: tuple[BenchReport, Path, s
 
 
 @pytest.mark.slow
-def test_every_repeat_obeys_the_definitions(bench_run: tuple[BenchReport, Path, str]) -> None:
+def test_every_repeat_obeys_the_definitions(bench_run: BenchRun) -> None:
     for row in bench_run[0].rows:
         assert [m.repeat for m in row.per_repeat] == list(range(1, REPEATS + 1))
         for m in row.per_repeat:
@@ -126,7 +195,7 @@ def test_every_repeat_obeys_the_definitions(bench_run: tuple[BenchReport, Path, 
 
 
 @pytest.mark.slow
-def test_rows_aggregate_the_repeats(bench_run: tuple[BenchReport, Path, str]) -> None:
+def test_rows_aggregate_the_repeats(bench_run: BenchRun) -> None:
     for row in bench_run[0].rows:
         for spread, values in (
             (row.decode_tokens_per_second, [m.decode_tokens_per_second for m in row.per_repeat]),
@@ -144,7 +213,7 @@ def test_rows_aggregate_the_repeats(bench_run: tuple[BenchReport, Path, str]) ->
 
 
 @pytest.mark.slow
-def test_ar_row(bench_run: tuple[BenchReport, Path, str]) -> None:
+def test_ar_row(bench_run: BenchRun) -> None:
     ar = bench_run[0].rows[0]
     assert ar.mean_accept_length == 1.0
     assert ar.verify_passes is None
@@ -154,7 +223,7 @@ def test_ar_row(bench_run: tuple[BenchReport, Path, str]) -> None:
 
 
 @pytest.mark.slow
-def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
+def test_chain_row(bench_run: BenchRun) -> None:
     ar, chain = bench_run[0].rows
     assert chain.verify_passes is not None and 0 < chain.verify_passes <= chain.completion_tokens
     assert chain.verify_passes == sum(m.verify_passes or 0 for m in chain.per_repeat)
@@ -178,8 +247,8 @@ def test_chain_row(bench_run: tuple[BenchReport, Path, str]) -> None:
 
 
 @pytest.mark.slow
-def test_best_in_hindsight(bench_run: tuple[BenchReport, Path, str]) -> None:
-    report, _, stdout = bench_run
+def test_best_in_hindsight(bench_run: BenchRun) -> None:
+    report, _, stdout, _ = bench_run
     (summary,) = report.summaries
     best = max(report.rows, key=lambda row: row.decode_tokens_per_second.median)
     assert summary.temperature == 0.0
@@ -192,8 +261,8 @@ def test_best_in_hindsight(bench_run: tuple[BenchReport, Path, str]) -> None:
 
 
 @pytest.mark.slow
-def test_table_and_plot(bench_run: tuple[BenchReport, Path, str]) -> None:
-    _, out, stdout = bench_run
+def test_table_and_plot(bench_run: BenchRun) -> None:
+    _, out, stdout, _ = bench_run
     assert (out / PLOT_NAME).read_bytes().startswith(PNG_MAGIC)
     lines = stdout.splitlines()
     assert lines[0].split()[:5] == ["policy", "T", "decode/s", "min", "max"]
@@ -365,6 +434,21 @@ def test_stream_batch_groups_interleaved_chunks_by_index() -> None:
     assert (second.completion_tokens, second.verify_passes) == (4, 2)
     measured = Measured.of([first, second], 1.0, None)
     assert (measured.completion_tokens, measured.verify_passes, measured.decode.decode_tokens) == (8, 5, 6)
+
+
+def test_batch_bounds_cover_every_prompt_once_in_order() -> None:
+    assert batch_bounds(8, 8) == [(0, 8)]
+    assert batch_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert batch_bounds(2, 5) == [(0, 2)]
+
+
+def test_each_interleaved_batch_starts_at_the_next_policy() -> None:
+    assert [rotated("abc", turn) for turn in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
 
 
 def test_stream_batch_rejects_aborted_and_unfinished_requests() -> None:

@@ -115,6 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scheduler (ar and dflash keep SGLang's own setting); default off",
     )
     parser.add_argument(
+        "--schedule",
+        choices=["sequential", "interleaved"],
+        default="sequential",
+        help="sequential: each repeat starts one policy's Engine after the previous one shut down (one "
+        "Engine in memory at a time); interleaved: every policy's Engine stays alive through the repeat and "
+        "they take turns batch by batch, so drift of the machine over minutes hits every policy alike (needs "
+        "memory for all of them at once; size the KV pools with --max-total-tokens). Default sequential",
+    )
+    parser.add_argument(
         "--attention-backend",
         default=None,
         help="SGLang attention backend (default: torch_native on cpu, triton)",

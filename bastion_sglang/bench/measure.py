@@ -1,32 +1,30 @@
-"""One policy at one temperature in one repeat: every prompt streamed through an Engine, timed.
+"""One policy at one temperature in one repeat: its streamed batches, timed, and the worker's histograms.
 
-`measure` streams the prompts `concurrency` at a time and reads the worker's histogram growth;
-`repeat_measurement` turns that into the report's `RepeatMeasurement`; `TemperatureRun` and `PolicyRun` are
-what a policy's process hands back to the parent.
+`Measurement` collects the batches of one policy and temperature (`bench.server.BatchResult`) and reads the
+worker's histogram growth over them; `repeat_measurement` turns that into the report's `RepeatMeasurement`;
+`TemperatureRun` is what the repeat keeps of it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from tqdm import tqdm
 
 from bastion_sglang.bench.histograms import TREE_NODES_METRIC, WorkerTotals
-from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, BenchSettings
+from bastion_sglang.bench.plan import BenchPolicy, BenchSettings
 from bastion_sglang.bench.report import RepeatMeasurement
+from bastion_sglang.bench.server import BatchResult
 from bastion_sglang.bench.streaming import (
     DecodeTiming,
     StreamedRequest,
     decode_timing,
     latency_percentiles_ms,
     pooled_timing,
-    stream_batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,39 +69,45 @@ def sampling_params(settings: BenchSettings, temperature: float) -> list[dict[st
     ]
 
 
-def measure(
-    engine: Any,
-    prompt_ids: Sequence[list[int]],
-    temperature: float,
-    plan: BenchPlan,
-    metrics_dir: Path | None,
-    label: str,
-) -> Measured:
-    """Stream every prompt at `temperature`, `concurrency` at a time; time only the generate calls.
+@dataclass
+class Measurement:
+    """One policy at one temperature in one repeat while its batches arrive: the worker's histograms when it
+    began (None: the Engine exports no BASTION series), every request streamed so far and the seconds of their
+    generate calls."""
 
-    metrics_dir: the Engine's Prometheus folder when its worker exports the sglang:bastion_* series.
-    """
-    settings = plan.settings
-    params = sampling_params(settings, temperature)
-    before = WorkerTotals.read(metrics_dir) if metrics_dir is not None else None
-    requests: list[StreamedRequest] = []
-    seconds = 0.0
-    with tqdm(total=len(prompt_ids), desc=label, unit="req", leave=False) as bar:
-        for start in range(0, len(prompt_ids), settings.concurrency):
-            end = start + settings.concurrency
-            began = time.perf_counter()
-            batch = stream_batch(engine, prompt_ids[start:end], params[start:end])
-            seconds += time.perf_counter() - began
-            requests += batch
-            bar.update(len(batch))
-    growth = None
-    if metrics_dir is not None and before is not None:
-        growth = WorkerTotals.read(metrics_dir).minus(before)
-        if growth.metrics[TREE_NODES_METRIC].count <= 0:
-            logger.warning(
-                "%s: the worker recorded no %s samples; mean budget unknown", label, TREE_NODES_METRIC
-            )
-    return Measured.of(requests, seconds, growth)
+    policy: BenchPolicy
+    metrics_dir: Path
+    before: WorkerTotals | None
+    requests: list[StreamedRequest]
+    seconds: float
+
+    @classmethod
+    def begin(cls, policy: BenchPolicy, metrics_dir: Path) -> Measurement:
+        """Start measuring `policy`, whose Engine writes its Prometheus samples into `metrics_dir`."""
+        before = WorkerTotals.read(metrics_dir) if policy.kind == "bastion" else None
+        return cls(policy, metrics_dir, before, [], 0.0)
+
+    def add(self, batch: BatchResult) -> None:
+        self.requests += batch.requests
+        self.seconds += batch.seconds
+
+    def finish(self, repeat: int, temperature: float) -> TemperatureRun:
+        """The run of every batch added, with the worker's histogram growth since `begin`; RuntimeError when
+        it is not a measurement (see `repeat_measurement`)."""
+        growth = None
+        if self.before is not None:
+            growth = WorkerTotals.read(self.metrics_dir).minus(self.before)
+            if growth.metrics[TREE_NODES_METRIC].count <= 0:
+                logger.warning(
+                    "%s T=%g repeat %d: the worker recorded no %s samples; mean budget unknown",
+                    self.policy.name,
+                    temperature,
+                    repeat,
+                    TREE_NODES_METRIC,
+                )
+        measured = Measured.of(self.requests, self.seconds, growth)
+        record = repeat_measurement(self.policy, repeat, measured)
+        return TemperatureRun(temperature=temperature, measurement=record, growth=growth)
 
 
 def repeat_measurement(policy: BenchPolicy, repeat: int, measured: Measured) -> RepeatMeasurement:
@@ -134,20 +138,10 @@ def repeat_measurement(policy: BenchPolicy, repeat: int, measured: Measured) -> 
 
 
 class TemperatureRun(BaseModel):
-    """One policy at one temperature in one repeat, as its process hands it to the parent."""
+    """One policy at one temperature in one repeat, as the report keeps it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = Field(ge=0)
     measurement: RepeatMeasurement
     growth: WorkerTotals | None = Field(description="the worker's histogram growth; None: not BASTION")
-
-
-class PolicyRun(BaseModel):
-    """What one policy process writes to its scratch folder (`RUN_NAME`): every temperature of one repeat."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    policy: str
-    repeat: int = Field(ge=1)
-    runs: tuple[TemperatureRun, ...] = Field(min_length=1)

@@ -36,6 +36,8 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 PolicyKind = Literal["ar", "bastion", "dflash"]
 Device = Literal["cpu", "cuda"]
+Schedule = Literal["sequential", "interleaved"]
+"""How a repeat runs the policies' Engines: one after another, or all alive and taking turns (`bench.run`)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class BenchSettings(BaseModel):
     max_budget: int = Field(gt=0, description="N_max of the BASTION Engines")
     overlap_schedule: bool = Field(
         default=False, description="whether the BASTION Engines ran under SGLang's overlap scheduler"
+    )
+    schedule: Schedule = Field(
+        default="sequential",
+        description="sequential: one Engine at a time; interleaved: every Engine of a repeat alive, taking "
+        "turns batch by batch",
     )
     device: Literal["cpu", "cuda"]
     attention_backend: str
@@ -201,6 +208,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         repeats=args.repeats,
         max_budget=args.max_budget,
         overlap_schedule=args.bastion_overlap_schedule == "on",
+        schedule=args.schedule,
         device=device,
         attention_backend=attention,
         dtype=args.dtype,
@@ -237,7 +245,9 @@ def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
 
 def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
     """The ServerArgs record of `policy`'s Engine (BASTION's config attached as `attach_config` does). Every
-    policy's Engine exports metrics (the bench reads BASTION's series), so all of them do the same work."""
+    policy's Engine exports metrics (the bench reads BASTION's series), so all of them do the same work, and
+    sleeps while idle: SGLang's scheduler otherwise polls for requests without pause, and under the
+    interleaved schedule the waiting Engines would take the CPU from the one being measured."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
@@ -253,6 +263,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
         random_seed=settings.seed,
         log_level=plan.sglang_log_level,
         enable_metrics=True,
+        sleep_on_idle=True,
     )
     if settings.device == "cpu":
         kwargs["disable_cuda_graph"] = True

@@ -1,10 +1,15 @@
 """Running `bastion bench`: every repeat, every policy in a fresh process and Engine.
 
-Repeats: `--repeats R` rounds. In each, every policy gets a fresh Engine in a process of its own (fresh
-online latency corrections, caches and allocator), shut down before the next one starts. Round r (from 0)
-runs the policies in row r of a Williams design (`plan.repeat_order`), balanced for position and for the
-policy each one follows, so neither slow drift of the machine nor a policy that leaves it slower for the next
-one always falls on the same policy; each round's order is logged and kept in the report.
+Repeats: `--repeats R` rounds. In each, every policy gets a fresh Engine in a process of its own
+(`bench.server`: fresh online latency corrections, caches and allocator). Round r (from 0) takes the policies
+in row r of a Williams design (`plan.repeat_order`), balanced for position and for the policy each one
+follows; each round's order is logged and kept in the report. Two schedules (`--schedule`):
+- sequential: one Engine at a time, each policy's started after the previous one shut down, in the round's
+  order. Drift of the machine over minutes (other tenants, clocks) falls on whichever policy runs then; the
+  order design spreads it over the policies but does not cancel it.
+- interleaved: every policy's Engine alive through the round, taking turns batch by batch (the round's b-th
+  batch, counted over its temperatures, in the round's order rotated by b), the idle ones asleep
+  (`sleep_on_idle`), so such drift hits every policy alike. Needs memory for every Engine at once.
 Each Engine answers one warm-up request, then runs every temperature on the same prompts: a named set's
 held-out split by default (never seen in drafter training), a JSONL file whole, each rendered with the target
 tokenizer's chat template, sent in batches of `--concurrency` requests (one `Engine.generate(input_ids=[...],
@@ -16,105 +21,90 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import multiprocessing
-import os
 import tempfile
-import time
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from multiprocessing.context import SpawnContext
 from pathlib import Path
+from typing import TypeVar
+
+from tqdm import tqdm
 
 from bastion_sglang.bench.aggregate import make_row, summarize, with_speedups
-from bastion_sglang.bench.measure import PolicyRun, TemperatureRun, measure, repeat_measurement
-from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, repeat_order, server_args_for
+from bastion_sglang.bench.measure import Measurement, TemperatureRun, sampling_params
+from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, repeat_order
 from bastion_sglang.bench.report import BenchReport
-from bastion_sglang.bench.streaming import stream_batch
+from bastion_sglang.bench.server import PolicyServer
 
 logger = logging.getLogger(__name__)
 
-PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-RUN_NAME = "run.json"
-"""The `PolicyRun` one policy process writes into its scratch folder for the parent."""
-WARMUP_TOKENS = 4
-"""New tokens of each Engine's warm-up request (one prompt, T = 0), excluded from every measurement."""
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-"""Log format of the policy processes (the `bastion` command's own)."""
+Item = TypeVar("Item")
 VERSIONED_PACKAGES = ("bastion-sglang", "sglang", "torch", "transformers", "prometheus-client")
 
 
-def run_policy(
-    plan: BenchPlan,
-    policy: BenchPolicy,
-    repeat: int,
-    scratch: Path,
-    log_level: int,
-) -> None:
-    """Body of one policy's process in one repeat: start a fresh Engine, warm up, measure every temperature,
-    shut down.
+def batch_bounds(prompts: int, concurrency: int) -> list[tuple[int, int]]:
+    """[start, end) of each batch of `concurrency` prompts, in order (the last one may be smaller)."""
+    return [(start, min(start + concurrency, prompts)) for start in range(0, prompts, concurrency)]
 
-    Writes `PolicyRun` to scratch/run.json. The Engine's processes write their Prometheus samples into
-    scratch/metrics: prometheus_client's multiprocess mode is configured only by PROMETHEUS_MULTIPROC_DIR,
-    which the scheduler process inherits when the Engine starts it. One process per Engine because an
-    Engine with metrics registers its tokenizer-side series in its process's default registry, so a second
-    one in the same process fails on duplicated series.
+
+def rotated(items: Sequence[Item], shift: int) -> list[Item]:
+    """items rotated left by `shift` (the round's b-th batch, counted over its temperatures, starts at its
+    b-th policy, mod their number)."""
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def run_group(
+    context: SpawnContext, plan: BenchPlan, group: Sequence[BenchPolicy], repeat: int, scratch: Path
+) -> dict[tuple[str, float], TemperatureRun]:
+    """Start a fresh Engine for each policy of `group`, run every temperature with the group's Engines taking
+    turns batch by batch, shut them down; per (policy, temperature): its run.
+
+    RuntimeError naming the policy whose process failed (the others are shut down first).
     """
-    import sglang
-
-    metrics_dir = scratch / "metrics"
-    metrics_dir.mkdir(parents=True)
-    os.environ[PROMETHEUS_DIR_ENV] = str(metrics_dir)  # read by this process's Engine and its children
-    began = time.perf_counter()
-    engine = sglang.Engine(server_args=server_args_for(plan, policy))
-    # The Engine set this process's root logger to its own level and format; restore the command's.
-    logging.basicConfig(level=log_level, format=LOG_FORMAT, force=True)
-    logging.getLogger("sglang").setLevel(plan.sglang_log_level.upper())
-    prompt_ids = plan.prompt_ids
-    runs = []
+    settings = plan.settings
+    servers: list[PolicyServer] = []
+    runs = {}
+    turn = 0  # batches run so far: the next one starts at the group's policy number `turn` (mod its size)
     try:
-        logger.info(
-            "%s (repeat %d): engine ready in %.1f s", policy.name, repeat, time.perf_counter() - began
-        )
-        stream_batch(engine, prompt_ids[:1], [{"temperature": 0.0, "max_new_tokens": WARMUP_TOKENS}])
-        for temperature in plan.settings.temperatures:
-            label = f"{policy.name} T={temperature:g} repeat {repeat}"
-            exported = metrics_dir if policy.kind == "bastion" else None
-            measured = measure(engine, prompt_ids, temperature, plan, exported, label)
-            record = repeat_measurement(policy, repeat, measured)
-            runs.append(TemperatureRun(temperature=temperature, measurement=record, growth=measured.growth))
-            logger.info(
-                "%s: %.1f decode tokens/s, %.1f wall tokens/s, token latency p50 %.1f ms, p90 %.1f ms",
-                label,
-                record.decode_tokens_per_second,
-                record.tokens_per_second,
-                record.token_latency_p50_ms,
-                record.token_latency_p90_ms,
-            )
-    finally:
-        engine.shutdown()
-    result = PolicyRun(policy=policy.name, repeat=repeat, runs=tuple(runs))
-    (scratch / RUN_NAME).write_text(result.model_dump_json(), encoding="utf-8")
-
-
-def run_policy_process(
-    context: SpawnContext, plan: BenchPlan, policy: BenchPolicy, repeat: int, scratch: Path
-) -> PolicyRun:
-    """Run `run_policy` in a fresh process and read back what it wrote; RuntimeError naming the policy if
-    the process fails."""
-    scratch.mkdir(parents=True)
-    process = context.Process(
-        target=run_policy,
-        args=(plan, policy, repeat, scratch, logging.getLogger().getEffectiveLevel()),
-        name=f"bastion-bench-{policy.name}-{repeat}",
-    )
-    process.start()
-    process.join()
-    if process.exitcode != 0:
-        raise RuntimeError(
-            f"policy {policy.name}, repeat {repeat}: its benchmark process exited with status "
-            f"{process.exitcode} (its error is logged above)"
-        )
-    logger.info("%s (repeat %d): engine shut down", policy.name, repeat)
-    return PolicyRun.model_validate_json((scratch / RUN_NAME).read_text(encoding="utf-8"))
+        for policy in group:
+            folder = scratch / f"repeat{repeat}-policy{plan.policies.index(policy)}"
+            label = f"{policy.name} (repeat {repeat})"
+            servers.append(PolicyServer.start(context, plan, policy, label, folder))
+        for temperature in settings.temperatures:
+            params = sampling_params(settings, temperature)
+            measurements = {s.policy.name: Measurement.begin(s.policy, s.metrics_dir) for s in servers}
+            desc = f"{group[0].name if len(group) == 1 else 'all'} T={temperature:g} repeat {repeat}"
+            with tqdm(total=len(params) * len(servers), desc=desc, unit="req", leave=False) as bar:
+                for start, end in batch_bounds(len(params), settings.concurrency):
+                    batch_params = tuple(params[start:end])
+                    for server in rotated(servers, turn):
+                        measurements[server.policy.name].add(server.stream(start, end, batch_params))
+                        bar.update(end - start)
+                    turn += 1
+            for server in servers:
+                run = measurements[server.policy.name].finish(repeat, temperature)
+                runs[(server.policy.name, temperature)] = run
+                record = run.measurement
+                logger.info(
+                    "%s T=%g repeat %d: %.1f decode tokens/s, %.1f wall tokens/s, token latency p50 %.1f ms, "
+                    "p90 %.1f ms",
+                    server.policy.name,
+                    temperature,
+                    repeat,
+                    record.decode_tokens_per_second,
+                    record.tokens_per_second,
+                    record.token_latency_p50_ms,
+                    record.token_latency_p90_ms,
+                )
+    except BaseException:
+        for server in servers:
+            server.abandon()
+        raise
+    for server in servers:
+        server.close()
+    return runs
 
 
 def package_versions() -> dict[str, str]:
@@ -129,7 +119,7 @@ def package_versions() -> dict[str, str]:
 
 
 def run_bench(plan: BenchPlan) -> BenchReport:
-    """Run every repeat: each policy in a fresh process and Engine, in that repeat's order, at every
+    """Run every repeat on the plan's schedule, each policy in a fresh process and Engine, at every
     temperature; return the report (unwritten).
 
     Raises RuntimeError naming the policy whose process failed.
@@ -142,7 +132,7 @@ def run_bench(plan: BenchPlan) -> BenchReport:
     prompt_ids = plan.prompt_ids
     logger.info(
         "%d prompts from %s (%s split), %d to %d tokens templated; %d repeats x %d policies x "
-        "%d temperatures, concurrency %d, %d new tokens",
+        "%d temperatures, concurrency %d, %d new tokens, %s schedule",
         len(prompt_ids),
         settings.prompts,
         settings.split,
@@ -153,6 +143,7 @@ def run_bench(plan: BenchPlan) -> BenchReport:
         len(settings.temperatures),
         settings.concurrency,
         settings.max_new_tokens,
+        settings.schedule,
     )
     context = multiprocessing.get_context("spawn")
     runs: defaultdict[tuple[str, float], list[TemperatureRun]] = defaultdict(list)
@@ -162,10 +153,10 @@ def run_bench(plan: BenchPlan) -> BenchReport:
             order = repeat_order(plan.policies, repeat - 1)
             orders.append(tuple(policy.name for policy in order))
             logger.info("repeat %d/%d: policy order %s", repeat, settings.repeats, ", ".join(orders[-1]))
-            for policy in order:
-                scratch = Path(root) / f"repeat{repeat}-policy{plan.policies.index(policy)}"
-                for run in run_policy_process(context, plan, policy, repeat, scratch).runs:
-                    runs[(policy.name, run.temperature)].append(run)
+            groups = [order] if settings.schedule == "interleaved" else [(policy,) for policy in order]
+            for group in groups:
+                for key, run in run_group(context, plan, group, repeat, Path(root)).items():
+                    runs[key].append(run)
     rows = with_speedups(
         [
             make_row(policy.name, temperature, runs[(policy.name, temperature)])
