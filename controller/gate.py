@@ -12,16 +12,22 @@ A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 
 more than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the
 best speculative plan this batch would get if its text were like the last drafted step's
 (`speculation_ceiling`: that step's mean Â curve, re-priced at this batch's contexts and step costs). While
-the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe after
-`max_backoff` steps without drafting still runs (the text may have become easier). Each refresh that finds
-speculation still unprofitable doubles that interval, up to `max_refresh`, and any probe that pays resets
-it: where a drafter pass costs more than a plain step (a CPU, a large batch) a long stretch with nothing to
-gain is probed ever more rarely (one pass in `max_refresh` steps at worst). When the batch shrinks the
-drafter gets cheaper, the ceiling rises above 1 and the backoff's probes run again.
+the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe still runs (the
+text may have become easier), once the steps without drafting reach the refresh interval. That interval
+starts at `max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to
+`max_refresh`, and returns to `max_backoff` after any probe that pays. It is also never shorter than the
+probe's own price allows: a refresh verifies the ceiling's plan, which loses Â·(1/Ŝ - 1) plain steps against
+plain decoding (`SpeculationCeiling.probe_loss_steps`), and spacing refreshes at least loss / `probe_share`
+steps apart keeps their expected cost at `probe_share` of the decode time (1 %), as far as `max_refresh`
+allows: a plan at Ŝ = 0.5 with Â = 1.5 loses 1.5 plain steps, so its refreshes wait at least 150 steps
+instead of 64 (on the 2-core CPU at concurrency 8 a drafter pass alone took about as long as a plain step);
+where probes are cheap (a GPU, one request) `max_backoff` decides. When the batch shrinks the drafter gets
+cheaper, the ceiling rises above 1 and the backoff's probes run again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,14 +42,32 @@ if TYPE_CHECKING:
     from bastion_sglang.controller.profile import StepCosts
 
 
+@dataclass(frozen=True)
+class SpeculationCeiling:
+    """The best speculative plan of the batch at hand if its text is like the last drafted step's
+    (`speculation_ceiling`): its estimated speedup Ŝ over plain decoding and its Â, tokens committed per
+    request per step."""
+
+    speedup: float
+    accept: float
+
+    @property
+    def probe_loss_steps(self) -> float:
+        """Plain decode steps a step verifying that plan loses against plain decoding: Ĉ / L_AR - Â =
+        Â · (1/Ŝ - 1); 0 when it pays."""
+        return max(0.0, self.accept * (1.0 / self.speedup - 1.0))
+
+
 @dataclass
 class SpeculationGate:
     """The module docstring's state machine. min_backoff / max_backoff: steps skipped after a failed probe;
-    max_refresh: the longest interval, in steps without drafting, between refresh probes."""
+    max_refresh: the longest interval, in steps without drafting, between refresh probes; probe_share: the
+    share of decode time refresh probes may cost in expectation, as far as max_refresh allows."""
 
     min_backoff: int = 1
     max_backoff: int = 64
     max_refresh: int = 256
+    probe_share: float = 0.01
     _backoff: int = field(default=0, init=False)
     _skip_remaining: int = field(default=0, init=False)
     _skipped: int = field(default=0, init=False)
@@ -58,18 +82,21 @@ class SpeculationGate:
                 "need 1 <= min_backoff <= max_backoff <= max_refresh, got "
                 f"{self.min_backoff}, {self.max_backoff} and {self.max_refresh}"
             )
+        if not 0.0 < self.probe_share <= 1.0:
+            raise ValueError(f"need 0 < probe_share <= 1, got {self.probe_share}")
         self._refresh_after = self.max_backoff
 
-    def should_draft(self, ceiling: Callable[[], float] | None = None) -> bool:
+    def should_draft(self, ceiling: Callable[[], SpeculationCeiling] | None = None) -> bool:
         """Called once at the start of every decode step: True to draft (speculate or probe), else skip.
-        ceiling: returns an upper bound on this step's speculative speedup (module docstring), called only
-        when the backoff would draft; None: no bound known."""
+        ceiling: returns the best speculative plan this step could get (module docstring), called only when
+        the backoff would draft; None: none known."""
         self._steps += 1
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
         else:
-            refresh = ceiling is not None and self._since_draft >= self._refresh_after
-            if ceiling is None or refresh or ceiling() > 1.0:
+            bound = None if ceiling is None else ceiling()
+            refresh = bound is not None and self._since_draft >= self.refresh_interval(bound)
+            if bound is None or refresh or bound.speedup > 1.0:
                 self._refreshing = refresh
                 self._since_draft = 0
                 return True
@@ -88,6 +115,12 @@ class SpeculationGate:
         self._backoff = self.min_backoff if self._backoff == 0 else min(2 * self._backoff, self.max_backoff)
         self._skip_remaining = self._backoff
 
+    def refresh_interval(self, bound: SpeculationCeiling) -> int:
+        """Steps without drafting before a refresh probe of a batch whose best plan is `bound`: the doubling
+        interval, or loss / probe_share when that is longer, at most max_refresh."""
+        priced = math.ceil(bound.probe_loss_steps / self.probe_share)
+        return min(self.max_refresh, max(self._refresh_after, priced))
+
     @property
     def skipping(self) -> bool:
         """Whether the last probe found speculation unprofitable (the gate is backing off)."""
@@ -101,9 +134,10 @@ class SpeculationGate:
 
 def speculation_ceiling(
     accept_curve: Sequence[float], contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
-) -> float:
-    """The estimated speedup of the best speculative plan of this batch if its text is like the last drafted
-    step's: max over n >= 1 of Â(n) · L_AR / Ĉ(n), every request verifying n nodes (SGLang's common width).
+) -> SpeculationCeiling:
+    """The best speculative plan of this batch if its text is like the last drafted step's: the n >= 1 with
+    the highest Â(n) · L_AR / Ĉ(n), every request verifying n nodes (SGLang's common width), with that
+    speedup and its Â(n).
 
     accept_curve: `BatchPlan.accept_curve` of the last drafted step, [N + 1] mean over its requests of the
     corrected Â(n), n = 0..N (N >= 1); contexts: [B] cached tokens per request now; costs: this step's
@@ -120,4 +154,5 @@ def speculation_ceiling(
     nodes = np.arange(1, len(accept_curve), dtype=np.int64)
     committed = len(contexts) * np.asarray(accept_curve[1:], dtype=np.float64)  # Σ_i Â_i(n) at the mean
     estimates = common_width_estimates(committed, nodes, check_contexts(contexts), latency, costs)
-    return float(estimates.speedup.max())
+    best = int(np.argmax(estimates.speedup))
+    return SpeculationCeiling(speedup=float(estimates.speedup[best]), accept=float(accept_curve[1 + best]))

@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
-from bastion_sglang.controller.gate import SpeculationGate, speculation_ceiling
+from bastion_sglang.controller.gate import SpeculationCeiling, SpeculationGate, speculation_ceiling
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 
 
 def drafted_steps(
-    gate: SpeculationGate, speedup: float, steps: int, ceiling: Callable[[], float] | None = None
+    gate: SpeculationGate,
+    speedup: float,
+    steps: int,
+    ceiling: Callable[[], SpeculationCeiling] | None = None,
 ) -> list[bool]:
     """Run `steps` decode steps whose drafted plans all estimate `speedup`; which steps drafted."""
     drafted = []
@@ -72,33 +75,41 @@ def test_bad_backoff_is_refused() -> None:
         SpeculationGate(min_backoff=4, max_backoff=2)
     with pytest.raises(ValueError, match="max_backoff <= max_refresh"):
         SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=4)
+    with pytest.raises(ValueError, match="0 < probe_share <= 1"):
+        SpeculationGate(probe_share=0.0)
 
 
 class Ceiling:
-    """A ceiling that counts how often the gate asked for it."""
+    """A ceiling that counts how often the gate asked for it: a plan of speedup `value` committing `accept`
+    tokens."""
 
-    def __init__(self, value: float) -> None:
-        self.value, self.calls = value, 0
+    def __init__(self, value: float, accept: float = 1.0) -> None:
+        self.bound, self.calls = SpeculationCeiling(speedup=value, accept=accept), 0
 
-    def __call__(self) -> float:
+    def __call__(self) -> SpeculationCeiling:
         self.calls += 1
-        return self.value
+        return self.bound
+
+
+CHEAP_PROBES = 1.0
+"""probe_share of the gates below whose refreshes follow the doubling interval alone: a loss of at most one
+step divided by 1 never exceeds it."""
 
 
 def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
-    gate = SpeculationGate(min_backoff=1, max_backoff=8)
+    gate = SpeculationGate(min_backoff=1, max_backoff=8, probe_share=CHEAP_PROBES)
     assert gate.should_draft()  # no drafted step yet: no ceiling known
     gate.record(0.6)  # the plan did not pay: back off 1 step
     low = Ceiling(0.5)
     drafted = [gate.should_draft(low) for _ in range(12)]
     # skip 1 (the backoff: the ceiling is not asked), then the ceiling vetoes the probes the backoff would
-    # run, until 8 steps passed without drafting: a refresh probe, asked nothing
+    # run, until 8 steps passed without drafting: a refresh probe
     assert drafted == [False] * 8 + [True] + [False] * 3
-    assert low.calls == 7 + 3
+    assert low.calls == 8 + 3
 
 
 def test_failed_refreshes_stretch_the_refresh_interval_up_to_max_refresh() -> None:
-    gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16)
+    gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16, probe_share=CHEAP_PROBES)
     drafted = drafted_steps(gate, 0.6, 120, Ceiling(0.5))
     probes = [step for step, draft in enumerate(drafted) if draft]
     # the first refresh after 4 steps without drafting, then 8, then 16 at most
@@ -114,8 +125,33 @@ def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
     high = Ceiling(1.2)
     with_ceiling = drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13, high)
     assert with_ceiling == drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13)
-    # asked before the drafts at steps 1, 3 and 6; step 11 is a refresh (4 steps without drafting): not asked
-    assert high.calls == 3
+    # asked before each draft the backoff allows: steps 1, 3, 6 and 11
+    assert high.calls == 4
+
+
+def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
+    """A plan at Ŝ = 0.5 committing 1.5 tokens loses 1.5 plain steps per probe: with probe_share 1 % the
+    first refresh waits 150 steps without drafting, not max_backoff = 8, and the doubling interval takes over
+    once it is longer; max_refresh bounds both. A probe that loses less than max_backoff · probe_share keeps
+    the doubling interval."""
+    dear = Ceiling(0.5, accept=1.5)
+    assert dear.bound.probe_loss_steps == pytest.approx(1.5)
+
+    def probes_after_a_failed_plan(gate: SpeculationGate) -> list[int]:
+        assert gate.should_draft()  # no drafted step yet: no ceiling known
+        gate.record(0.5)
+        return [step for step, draft in enumerate(drafted_steps(gate, 0.5, 800, dear)) if draft]
+
+    probes = probes_after_a_failed_plan(
+        SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=512, probe_share=0.01)
+    )
+    assert probes[:4] == [150, 301, 452, 603]  # 150 steps without drafting before each
+    capped = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=64, probe_share=0.01)
+    assert probes_after_a_failed_plan(capped)[:3] == [64, 129, 194]
+    cheap = Ceiling(0.99, accept=1.5)  # loses 0.015 steps: 2 steps at 1 %, under max_backoff
+    gate = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=512, probe_share=0.01)
+    assert gate.refresh_interval(cheap.bound) == 8
+    assert SpeculationCeiling(speedup=1.3, accept=2.0).probe_loss_steps == 0.0
 
 
 def test_the_ceiling_is_adaptives_plan_and_bounds_every_plan_of_the_same_trees() -> None:
@@ -136,7 +172,7 @@ def test_the_ceiling_is_adaptives_plan_and_bounds_every_plan_of_the_same_trees()
                 plan_batch(trees, contexts, model, costs, policy, accept_scale=scale)
                 for policy in (AdaptivePolicy(), FixedPolicy(1), FixedPolicy(64), ChainPolicy())
             ]
-            ceiling = speculation_ceiling(plans[0].accept_curve, contexts, model, costs)
+            ceiling = speculation_ceiling(plans[0].accept_curve, contexts, model, costs).speedup
             assert plans[0].speculative_speedup == pytest.approx(ceiling, rel=1e-12), (batch, t_draft)
             for plan in plans:
                 assert plan.accept_curve == plans[0].accept_curve  # the whole tree, whatever the policy
@@ -150,10 +186,15 @@ def test_the_ceiling_reprices_the_curve_for_the_batch_at_hand() -> None:
     curve = (1.0, 1.8, 2.4, 2.7)
     cheap = StepCosts(t_draft=1e-3, t_aux=0.0, l_ar=model.predict_plain_batch([100]))
     dear = StepCosts(t_draft=5e-2, t_aux=0.0, l_ar=cheap.l_ar)
-    assert speculation_ceiling(curve, [100], model, cheap) > 1.0
-    assert speculation_ceiling(curve, [100], model, dear) < speculation_ceiling(curve, [100], model, cheap)
+    high = speculation_ceiling(curve, [100], model, cheap)
+    assert high.speedup > 1.0 and high.probe_loss_steps == 0.0
+    low = speculation_ceiling(curve, [100], model, dear)
+    assert low.speedup < high.speedup
+    assert low.accept in curve[1:]
+    assert low.probe_loss_steps == pytest.approx(max(0.0, low.accept / low.speedup - low.accept))
     first_node = 1.8 * cheap.l_ar / cheap.cycle_seconds(model.predict_batch([2], [100]), 2)
-    assert speculation_ceiling(curve[:2], [100], model, cheap) == pytest.approx(first_node, rel=1e-12)
+    one_node = speculation_ceiling(curve[:2], [100], model, cheap)
+    assert one_node.speedup == pytest.approx(first_node, rel=1e-12) and one_node.accept == 1.8
     with pytest.raises(ValueError, match="N >= 1"):
         speculation_ceiling((1.0,), [100], model, cheap)
     with pytest.raises(ValueError, match="at least one request"):
