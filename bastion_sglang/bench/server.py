@@ -98,7 +98,7 @@ class PolicyServer:
 
     def __init__(
         self, policy: BenchPolicy, label: str, process: SpawnProcess, conn: Connection, metrics_dir: Path
-    ):
+    ) -> None:
         self.policy = policy
         self.label = label
         self.metrics_dir = metrics_dir
