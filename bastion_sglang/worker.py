@@ -439,9 +439,9 @@ class BastionWorker(DFlashWorkerV2):
                     costs,
                     self.config.policy,
                     accept_scale=scales,
-                    # a probe (the gate is backing off) verifies its tree whatever the estimate, so the
-                    # acceptance correction sees fresh evidence and speculation can resume
-                    allow_plain=not self._gate.skipping,
+                    # a backoff probe verifies its tree whatever the estimate, so the acceptance correction
+                    # sees fresh evidence and speculation can resume; a refresh probe only re-drafts
+                    allow_plain=not self._gate.verifies_probe,
                 )
                 self._gate.record(plan.speculative_speedup)
                 self._accept_curve = plan.accept_curve

@@ -6,23 +6,25 @@ most 1, plain decoding is at least as fast for such batches, so the next steps s
 plainly (speedup exactly 1 by definition). After `backoff` skipped steps one step drafts again (a probe); if
 speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan
 beats plain decoding, every step drafts again and the backoff returns to `min_backoff`. A batch that
-shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps.
+shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps. Such a
+backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction sees
+fresh evidence and a correction that has grown too pessimistic cannot keep speculation off for good.
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1,
 more than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the
 best speculative plan this batch would get if its text were like the last drafted step's
 (`speculation_ceiling`: that step's mean Â curve, re-priced at this batch's contexts and step costs). While
 the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe still runs (the
-text may have become easier), once the steps without drafting reach the refresh interval. That interval
-starts at `max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to
-`max_refresh`, and returns to `max_backoff` after any probe that pays. It is also never shorter than the
-probe's own price allows: a refresh verifies the ceiling's plan, which loses Â·(1/Ŝ - 1) plain steps against
-plain decoding (`SpeculationCeiling.probe_loss_steps`), and spacing refreshes at least loss / `probe_share`
-steps apart keeps their expected cost at `probe_share` of the decode time (1 %), as far as `max_refresh`
-allows: a plan at Ŝ = 0.5 with Â = 1.5 loses 1.5 plain steps, so its refreshes wait at least 150 steps
-instead of 64 (on the 2-core CPU at concurrency 8 a drafter pass alone took about as long as a plain step);
-where probes are cheap (a GPU, one request) `max_backoff` decides. When the batch shrinks the drafter gets
-cheaper, the ceiling rises above 1 and the backoff's probes run again.
+text may have become easier), once the steps without drafting reach the refresh interval. A refresh probe
+only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes plainly, so it
+costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps. (Verifying the
+declined tree as well cost about twice that on the 2-core CPU at B = 8.) The refresh interval starts at
+`max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to `max_refresh`, and
+returns to `max_backoff` after any probe that pays. It is also never shorter than refresh_steps /
+`probe_share`, which keeps the expected cost of refreshes at `probe_share` of the decode time (1 %) as far
+as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8) refreshes wait at
+least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff` decides. When the
+batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's probes run again.
 """
 
 from __future__ import annotations
@@ -45,17 +47,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SpeculationCeiling:
     """The best speculative plan of the batch at hand if its text is like the last drafted step's
-    (`speculation_ceiling`): its estimated speedup Ŝ over plain decoding and its Â, tokens committed per
-    request per step."""
+    (`speculation_ceiling`): its estimated speedup Ŝ over plain decoding, and refresh_steps, what a refresh
+    probe of this batch costs in plain decode steps: (T_draft + T_aux) / L_AR at its step costs."""
 
     speedup: float
-    accept: float
-
-    @property
-    def probe_loss_steps(self) -> float:
-        """Plain decode steps a step verifying that plan loses against plain decoding: Ĉ / L_AR - Â =
-        Â · (1/Ŝ - 1); 0 when it pays."""
-        return max(0.0, self.accept * (1.0 / self.speedup - 1.0))
+    refresh_steps: float
 
 
 @dataclass
@@ -117,9 +113,16 @@ class SpeculationGate:
 
     def refresh_interval(self, bound: SpeculationCeiling) -> int:
         """Steps without drafting before a refresh probe of a batch whose best plan is `bound`: the doubling
-        interval, or loss / probe_share when that is longer, at most max_refresh."""
-        priced = math.ceil(bound.probe_loss_steps / self.probe_share)
+        interval, or refresh_steps / probe_share when that is longer, at most max_refresh."""
+        priced = math.ceil(bound.refresh_steps / self.probe_share)
         return min(self.max_refresh, max(self._refresh_after, priced))
+
+    @property
+    def verifies_probe(self) -> bool:
+        """Whether the step the gate just let draft must verify a tree whatever its plan's estimate: a
+        backoff probe. False for a refresh probe (it decodes plainly unless the fresh plan pays) and while
+        speculating (the plan decides)."""
+        return self.skipping and not self._refreshing
 
     @property
     def skipping(self) -> bool:
@@ -135,9 +138,9 @@ class SpeculationGate:
 def speculation_ceiling(
     accept_curve: Sequence[float], contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
 ) -> SpeculationCeiling:
-    """The best speculative plan of this batch if its text is like the last drafted step's: the n >= 1 with
-    the highest Â(n) · L_AR / Ĉ(n), every request verifying n nodes (SGLang's common width), with that
-    speedup and its Â(n).
+    """The best speculative plan of this batch if its text is like the last drafted step's: the highest
+    Â(n) · L_AR / Ĉ(n) over n >= 1, every request verifying n nodes (SGLang's common width), and what a
+    refresh probe of this batch costs (`SpeculationCeiling`).
 
     accept_curve: `BatchPlan.accept_curve` of the last drafted step, [N + 1] mean over its requests of the
     corrected Â(n), n = 0..N (N >= 1); contexts: [B] cached tokens per request now; costs: this step's
@@ -154,5 +157,6 @@ def speculation_ceiling(
     nodes = np.arange(1, len(accept_curve), dtype=np.int64)
     committed = len(contexts) * np.asarray(accept_curve[1:], dtype=np.float64)  # Σ_i Â_i(n) at the mean
     estimates = common_width_estimates(committed, nodes, check_contexts(contexts), latency, costs)
-    best = int(np.argmax(estimates.speedup))
-    return SpeculationCeiling(speedup=float(estimates.speedup[best]), accept=float(accept_curve[1 + best]))
+    return SpeculationCeiling(
+        speedup=float(estimates.speedup.max()), refresh_steps=(costs.t_draft + costs.t_aux) / costs.l_ar
+    )

@@ -80,11 +80,11 @@ def test_bad_backoff_is_refused() -> None:
 
 
 class Ceiling:
-    """A ceiling that counts how often the gate asked for it: a plan of speedup `value` committing `accept`
-    tokens."""
+    """A ceiling that counts how often the gate asked for it: a plan of speedup `value` in a batch whose
+    refresh probe costs `refresh_steps` plain steps."""
 
-    def __init__(self, value: float, accept: float = 1.0) -> None:
-        self.bound, self.calls = SpeculationCeiling(speedup=value, accept=accept), 0
+    def __init__(self, value: float, refresh_steps: float = 1.0) -> None:
+        self.bound, self.calls = SpeculationCeiling(speedup=value, refresh_steps=refresh_steps), 0
 
     def __call__(self) -> SpeculationCeiling:
         self.calls += 1
@@ -92,8 +92,8 @@ class Ceiling:
 
 
 CHEAP_PROBES = 1.0
-"""probe_share of the gates below whose refreshes follow the doubling interval alone: a loss of at most one
-step divided by 1 never exceeds it."""
+"""probe_share of the gates below whose refreshes follow the doubling interval alone: a refresh of at most
+one step divided by 1 never exceeds it."""
 
 
 def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
@@ -130,12 +130,10 @@ def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
 
 
 def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
-    """A plan at Ŝ = 0.5 committing 1.5 tokens loses 1.5 plain steps per probe: with probe_share 1 % the
-    first refresh waits 150 steps without drafting, not max_backoff = 8, and the doubling interval takes over
-    once it is longer; max_refresh bounds both. A probe that loses less than max_backoff · probe_share keeps
-    the doubling interval."""
-    dear = Ceiling(0.5, accept=1.5)
-    assert dear.bound.probe_loss_steps == pytest.approx(1.5)
+    """A refresh costing 1.5 plain steps: with probe_share 1 % the first refresh waits 150 steps without
+    drafting, not max_backoff = 8, and the doubling interval takes over once it is longer; max_refresh bounds
+    both. A refresh that costs less than max_backoff · probe_share keeps the doubling interval."""
+    dear = Ceiling(0.5, refresh_steps=1.5)
 
     def probes_after_a_failed_plan(gate: SpeculationGate) -> list[int]:
         assert gate.should_draft()  # no drafted step yet: no ceiling known
@@ -148,10 +146,31 @@ def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
     assert probes[:4] == [150, 301, 452, 603]  # 150 steps without drafting before each
     capped = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=64, probe_share=0.01)
     assert probes_after_a_failed_plan(capped)[:3] == [64, 129, 194]
-    cheap = Ceiling(0.99, accept=1.5)  # loses 0.015 steps: 2 steps at 1 %, under max_backoff
+    cheap = Ceiling(0.5, refresh_steps=0.015)  # 2 steps at 1 %, under max_backoff
     gate = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=512, probe_share=0.01)
     assert gate.refresh_interval(cheap.bound) == 8
-    assert SpeculationCeiling(speedup=1.3, accept=2.0).probe_loss_steps == 0.0
+
+
+def test_backoff_probes_verify_and_refresh_probes_only_redraft() -> None:
+    """A probe the backoff runs (the ceiling says the batch could pay) must verify its tree; a refresh probe
+    (ceiling at most 1) leaves the choice to its plan, as every step does while speculating."""
+    gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=8, probe_share=CHEAP_PROBES)
+    assert gate.should_draft() and not gate.verifies_probe  # speculating: the plan decides
+    gate.record(0.6)
+    assert not gate.should_draft(Ceiling(1.2))  # the backoff's one skipped step
+    assert gate.should_draft(Ceiling(1.2)) and gate.verifies_probe  # a backoff probe
+    gate.record(0.6)
+    low = Ceiling(0.5)
+    drafted = [gate.should_draft(low) for _ in range(5)]
+    assert drafted == [False] * 4 + [True]  # a refresh after max_backoff steps without drafting
+    assert not gate.verifies_probe
+    gate.record(0.6)
+    assert gate.should_draft(Ceiling(1.2)) is False and gate.skipping
+    while not gate.should_draft(Ceiling(1.2)):
+        pass
+    assert gate.verifies_probe  # the next backoff probe verifies again
+    gate.record(1.3)
+    assert gate.should_draft(Ceiling(1.3)) and not gate.verifies_probe  # speculating again
 
 
 def test_the_ceiling_is_adaptives_plan_and_bounds_every_plan_of_the_same_trees() -> None:
@@ -187,14 +206,13 @@ def test_the_ceiling_reprices_the_curve_for_the_batch_at_hand() -> None:
     cheap = StepCosts(t_draft=1e-3, t_aux=0.0, l_ar=model.predict_plain_batch([100]))
     dear = StepCosts(t_draft=5e-2, t_aux=0.0, l_ar=cheap.l_ar)
     high = speculation_ceiling(curve, [100], model, cheap)
-    assert high.speedup > 1.0 and high.probe_loss_steps == 0.0
+    assert high.speedup > 1.0
     low = speculation_ceiling(curve, [100], model, dear)
     assert low.speedup < high.speedup
-    assert low.accept in curve[1:]
-    assert low.probe_loss_steps == pytest.approx(max(0.0, low.accept / low.speedup - low.accept))
+    assert low.refresh_steps == pytest.approx(5e-2 / cheap.l_ar) and low.refresh_steps > high.refresh_steps
     first_node = 1.8 * cheap.l_ar / cheap.cycle_seconds(model.predict_batch([2], [100]), 2)
     one_node = speculation_ceiling(curve[:2], [100], model, cheap)
-    assert one_node.speedup == pytest.approx(first_node, rel=1e-12) and one_node.accept == 1.8
+    assert one_node.speedup == pytest.approx(first_node, rel=1e-12)
     with pytest.raises(ValueError, match="N >= 1"):
         speculation_ceiling((1.0,), [100], model, cheap)
     with pytest.raises(ValueError, match="at least one request"):
