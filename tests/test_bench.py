@@ -601,9 +601,38 @@ def test_best_in_hindsight_and_adaptive_ratios() -> None:
     at_zero, at_hot = summarize(rows, (0.0, 0.7))
     assert (at_zero.best_policy, at_zero.best_decode_tokens_per_second) == ("fixed:4", 20.0)
     assert at_zero.adaptive_vs_best == pytest.approx(0.8) and at_zero.adaptive_vs_ar == pytest.approx(1.6)
-    assert summary_line(at_zero) == "T=0: best fixed:4 (20.0 tok/s); adaptive 0.80x best, 1.60x ar"
+    assert at_zero.adaptive_vs_best_per_repeat == Spread(median=0.8, min=0.8, max=0.8)
+    assert summary_line(at_zero) == (
+        "T=0: best fixed:4 (20.0 tok/s); adaptive 0.80x best, 1.60x ar; "
+        "per repeat 0.80x best (0.80-0.80), 1.60x ar (1.60-1.60)"
+    )
     assert (at_hot.best_policy, at_hot.adaptive_vs_best, at_hot.adaptive_vs_ar) == ("chain", None, None)
+    assert at_hot.adaptive_vs_best_per_repeat is None and at_hot.adaptive_vs_ar_per_repeat is None
     assert summary_line(at_hot) == "T=0.7: best chain (12.0 tok/s)"
+
+
+def _repeated_row(policy: str, decode_rates: list[float]) -> BenchRow:
+    runs = [
+        TemperatureRun(temperature=0.0, measurement=_measurement(k + 1, rate, 10.0, 12), growth=None)
+        for k, rate in enumerate(decode_rates)
+    ]
+    return make_row(policy, 0.0, runs)
+
+
+def test_per_repeat_ratios_pair_each_repeat_with_the_same_repeat() -> None:
+    # the machine runs at 10, 20 and 5 tok/s in the three repeats; adaptive is 0.9x ar in every one of them
+    ar = _repeated_row("ar", [10.0, 20.0, 5.0])
+    adaptive = _repeated_row("adaptive", [9.0, 18.0, 4.5])
+    (summary,) = summarize([ar, adaptive], (0.0,))
+    assert summary.best_policy == "ar" and summary.adaptive_vs_best == pytest.approx(0.9)
+    paired = summary.adaptive_vs_best_per_repeat
+    assert paired is not None and (paired.median, paired.min, paired.max) == pytest.approx((0.9, 0.9, 0.9))
+    # out of step: the medians agree (9 / 10) but repeat by repeat adaptive runs at 1.8x, 0.45x and 0.9x ar
+    shuffled = _repeated_row("adaptive", [18.0, 9.0, 4.5])
+    (summary,) = summarize([ar, shuffled], (0.0,))
+    assert summary.adaptive_vs_ar == pytest.approx(0.9)
+    paired = summary.adaptive_vs_ar_per_repeat
+    assert paired is not None and (paired.median, paired.min, paired.max) == pytest.approx((0.9, 0.45, 1.8))
 
 
 def test_estimate_summary_from_histogram_growth() -> None:

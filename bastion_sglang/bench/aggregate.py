@@ -125,23 +125,38 @@ def with_speedups(rows: Sequence[BenchRow]) -> tuple[BenchRow, ...]:
     )
 
 
+def paired_ratios(row: BenchRow | None, baseline: BenchRow | None) -> Spread | None:
+    """`row`'s decode tokens/s over `baseline`'s in the same repeat, over the repeats (None: either row
+    missing). Under the interleaved schedule the two ran side by side in every repeat, so each ratio is free
+    of the machine's drift between repeats."""
+    if row is None or baseline is None:
+        return None
+    return Spread.of(
+        [
+            mine.decode_tokens_per_second / theirs.decode_tokens_per_second
+            for mine, theirs in zip(row.per_repeat, baseline.per_repeat, strict=True)
+        ]
+    )
+
+
 def summarize(rows: Sequence[BenchRow], temperatures: Sequence[float]) -> tuple[TemperatureSummary, ...]:
     """Per temperature: the best policy in hindsight by median decode tokens/s (the first listed on a tie),
-    and adaptive's median over the best's and ar's."""
+    and adaptive's median over the best's and ar's, and its per-repeat ratios to them."""
     summaries = []
     for temperature in temperatures:
-        rates = {
-            row.policy: row.decode_tokens_per_second.median for row in rows if row.temperature == temperature
-        }
+        by_policy = {row.policy: row for row in rows if row.temperature == temperature}
+        rates = {policy: row.decode_tokens_per_second.median for policy, row in by_policy.items()}
         best = max(rates, key=rates.__getitem__)
-        adaptive = rates.get("adaptive")
+        adaptive = by_policy.get("adaptive")
         summaries.append(
             TemperatureSummary(
                 temperature=temperature,
                 best_policy=best,
                 best_decode_tokens_per_second=rates[best],
-                adaptive_vs_best=_ratio(adaptive, rates[best]),
-                adaptive_vs_ar=_ratio(adaptive, rates.get("ar")),
+                adaptive_vs_best=_ratio(rates.get("adaptive"), rates[best]),
+                adaptive_vs_ar=_ratio(rates.get("adaptive"), rates.get("ar")),
+                adaptive_vs_best_per_repeat=paired_ratios(adaptive, by_policy[best]),
+                adaptive_vs_ar_per_repeat=paired_ratios(adaptive, by_policy.get("ar")),
             )
         )
     return tuple(summaries)

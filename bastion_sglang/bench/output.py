@@ -76,7 +76,8 @@ def _stage_table(rows: Sequence[BenchRow]) -> list[str]:
 
 
 def summary_line(summary: TemperatureSummary) -> str:
-    """'T=0: best fixed:4 (16.1 tok/s); adaptive 0.97x best, 0.98x ar' (the adaptive part when it ran)."""
+    """'T=0: best fixed:4 (16.1 tok/s); adaptive 0.97x best, 0.98x ar; per repeat 0.96x best (0.91-1.02),
+    0.97x ar (0.93-1.01)' (the adaptive parts when it ran)."""
     rate = summary.best_decode_tokens_per_second
     line = f"T={summary.temperature:g}: best {summary.best_policy} ({rate:.1f} tok/s)"
     ratios = [
@@ -84,7 +85,18 @@ def summary_line(summary: TemperatureSummary) -> str:
         for name, ratio in (("best", summary.adaptive_vs_best), ("ar", summary.adaptive_vs_ar))
         if ratio is not None
     ]
-    return f"{line}; adaptive {', '.join(ratios)}" if ratios else line
+    paired = [
+        f"{spread.median:.2f}x {name} ({spread.min:.2f}-{spread.max:.2f})"
+        for name, spread in (
+            ("best", summary.adaptive_vs_best_per_repeat),
+            ("ar", summary.adaptive_vs_ar_per_repeat),
+        )
+        if spread is not None
+    ]
+    if not ratios:
+        return line
+    per_repeat = f"; per repeat {', '.join(paired)}" if paired else ""
+    return f"{line}; adaptive {', '.join(ratios)}{per_repeat}"
 
 
 def format_table(report: BenchReport) -> str:

@@ -35,7 +35,11 @@ collector from each Engine's PROMETHEUS_MULTIPROC_DIR (null for `ar` and `dflash
   `other`, the host time between two decode steps outside the worker.
 
 Per temperature (`TemperatureSummary`): the best policy in hindsight, the one with the highest median decode
-tokens/s, and adaptive's median decode tokens/s over the best's and over `ar`'s (when they are run).
+tokens/s, and adaptive's median decode tokens/s over the best's and over `ar`'s (when they are run); and the
+same ratios taken repeat by repeat (adaptive's decode tokens/s over the other policy's in the same repeat),
+as their median, min and max. Under `--schedule interleaved` the policies of a repeat take turns batch by
+batch, so these paired ratios are free of the machine's drift between repeats, which the ratio of medians
+is not.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class StageMs(BaseModel):
 
 
 class Spread(BaseModel):
-    """A rate over the repeats, tokens/s: its median, min and max (each repeat's value is in `per_repeat`)."""
+    """A value over the repeats (a rate in tokens/s, or a ratio of two): its median, min and max."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -148,6 +152,12 @@ class TemperatureSummary(BaseModel):
     )
     adaptive_vs_ar: float | None = Field(
         description="adaptive's median decode tokens/s over ar's; None: adaptive or ar not run"
+    )
+    adaptive_vs_best_per_repeat: Spread | None = Field(
+        default=None, description="adaptive's decode tokens/s over the best's in each repeat; None: not run"
+    )
+    adaptive_vs_ar_per_repeat: Spread | None = Field(
+        default=None, description="adaptive's decode tokens/s over ar's in each repeat; None: not run"
     )
 
 
