@@ -403,6 +403,7 @@ class BastionWorker(DFlashWorkerV2):
 
         greedy = [is_greedy(req) for req in batch.reqs]
         costs = self._step_costs(contexts)
+        l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         drafting = True
         if self.config.policy.may_decline and self._rank_sync.leads:
             accept_curve = self._accept_curve
@@ -425,7 +426,7 @@ class BastionWorker(DFlashWorkerV2):
         with self._timer.stage("plan"):
             if top is None or not self._rank_sync.leads:  # other TP ranks take rank 0's rows below
                 trees, scales = DraftTreeBatch.empty(bs, self.device), [1.0] * bs
-                plan = plain_plan(bs, costs.l_ar)
+                plan = plain_plan(bs, l_ar)
             else:
                 calibrated = (
                     top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
@@ -456,7 +457,7 @@ class BastionWorker(DFlashWorkerV2):
             self._pending_steps.append(
                 PendingStep(self._step_index, list(plan.expected_drafted), greedy, scales)
             )
-            self._speedups.plan(self._step_index, costs.l_ar, bs)
+            self._speedups.plan(self._step_index, l_ar, bs)
             if self._metrics is not None:
                 mode = "skipped" if top is None else "speculative" if plan.speculates else "declined"
                 raw = [1.0] * bs if top is None else self._raw_expected_accept(trees, top, plan.node_counts)
@@ -569,7 +570,7 @@ class BastionWorker(DFlashWorkerV2):
             index=self._step_index,
             widths=[shape.width] * bs,
             contexts=contexts,
-            estimated_verify_seconds=plan.estimated_verify_seconds,
+            estimated_verify_seconds=plan.estimated_verify_seconds if plan.speculates else l_ar,
             other_seconds=other,
             drafted=top is not None,
         )
@@ -761,8 +762,10 @@ class BastionWorker(DFlashWorkerV2):
 
     def _step_costs(self, contexts: list[int]) -> StepCosts:
         """Per-step costs for the planner: this worker's measured stages (the profile's costs until they
-        warm up) and L_AR, the latency model's plain decode step of the whole batch."""
-        return self._costs.costs(l_ar=self.latency.predict_plain_batch(contexts), batch=len(contexts))
+        warm up) and L_AR, the latency model's plain decode step of the whole batch as of its last verify
+        observation (`LatencyModel.predict_plain_batch_as_of_verify`: Ŝ compares it with verify passes)."""
+        l_ar = self.latency.predict_plain_batch_as_of_verify(contexts)
+        return self._costs.costs(l_ar=l_ar, batch=len(contexts))
 
     def _raw_expected_accept(
         self, trees: DraftTreeBatch, top: kernels.DraftTopK, counts: Sequence[int]

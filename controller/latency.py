@@ -84,8 +84,15 @@ splits the correction between a and d there). What happens next depends on wheth
 Bounds: a in SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is
 never <= 0 (base = 1 for a calibrated model).
 Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step
-has been observed, plain decoding borrows the verify passes' correction. `ema_factor` summarises the verify
-correction as a factor at its typical point:
+has been observed, plain decoding borrows the verify passes' correction. The planner compares the two
+(Ŝ = Â·L_AR / Ĉ), so it prices L_AR with the plain correction as it stood at the last verify observation
+(`predict_plain_batch_as_of_verify`): while speculation is off only plain steps are measured, and the
+current plain correction follows the device (a bigger batch, a busier machine) where the verify
+correction cannot. On the 2-core CPU at B = 8, priced from a profile measured at B = 1, plain steps ran
+1.8× the profile, verify passes 1.6× and drafter passes 1.7×; a current L_AR over a stale Ĉ put Ŝ about
+1.7× too high, and a probe verified a tree at an estimated 1.08 that cost two plain steps. Without a profile
+the bare roofline does not relate the two passes, so there the rule holds only once a plain step was observed
+before the last verify pass. `ema_factor` summarises the verify correction as a factor at its typical point:
 (a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens it saw.
 """
 
@@ -532,6 +539,13 @@ class OnlineCorrection:
         bounds. Without `rescale`, 1."""
         return self._base
 
+    def copy(self) -> OnlineCorrection:
+        """An independent correction in this one's state (later updates of either leave the other)."""
+        twin = OnlineCorrection.__new__(OnlineCorrection)
+        for name in OnlineCorrection.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
     def correct(self, predicted: float, tokens: float) -> float:
         """max(a·base·predicted + d·tokens, CORRECTION_FLOOR·base·predicted), seconds."""
         predicted = self._base * predicted
@@ -585,6 +599,7 @@ class LatencyModel:
         "_ema_alpha",
         "_fit",
         "_plain",
+        "_plain_at_verify",
         "_prices",
         "_roofline",
         "_token_table",
@@ -611,6 +626,7 @@ class LatencyModel:
         self._bucket_array = None if self._buckets is None else np.array(self._buckets, dtype=np.int64)
         self._verify = self._new_correction()
         self._plain = self._new_correction()
+        self._plain_at_verify = self._plain.copy()  # the plain correction at the last verify observation
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
         for what, floor in floors:
             if not floor > 0:
@@ -799,10 +815,25 @@ class LatencyModel:
     def predict_plain_batch(self, contexts: TokenCounts) -> float:
         """Seconds of one plain decode step over a batch: one token for each request, contexts: [B] cached
         tokens per request."""
+        return self._plain_prediction(self._plain, contexts)
+
+    def predict_plain_batch_as_of_verify(self, contexts: TokenCounts) -> float:
+        """`predict_plain_batch` with the plain correction as it stood at the last verify observation (as it
+        started before any): the L_AR whose evidence is as old as the verify predictions' (module docstring,
+        "Online correction"), for the planner's Ŝ. Equal to `predict_plain_batch` while every step verifies.
+        Without a profile, when no plain step had been observed by then, the current L_AR: the bare roofline
+        does not relate the two passes (a DECODE step of a tiny model on a CPU measured 4× what the verify
+        passes' correction made of its roofline), so nothing of that age prices a plain step."""
+        plain = self._plain_at_verify
+        if not plain.observations and not self.calibrated:
+            plain = self._plain
+        return self._plain_prediction(plain, contexts)
+
+    def _plain_prediction(self, plain: OnlineCorrection, contexts: TokenCounts) -> float:
         c_list = _check_contexts(contexts)
         # before any plain step was measured, the verify passes' correction is the best evidence of how far
         # the offline model is from this device (an uncalibrated roofline can be off by orders of magnitude)
-        correction = self._plain if self._plain.observations else self._verify
+        correction = plain if plain.observations else self._verify
         return correction.correct(self._plain_seconds(c_list), len(c_list))
 
     def observe(self, s: int, c: int, seconds: float) -> None:
@@ -812,12 +843,14 @@ class LatencyModel:
         _check_seconds(seconds)
         width = self.padded_width(s)
         self._verify.update(self._verify_seconds(width, c), width, float(seconds))
+        self._plain_at_verify = self._plain.copy()
 
     def observe_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts, seconds: float) -> None:
         """`observe` for one measured verify pass over a batch (padded as in `predict_batch`)."""
         _check_seconds(seconds)
         terms = self._verify_batch_terms(s_per_request, c_per_request)
         self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds))
+        self._plain_at_verify = self._plain.copy()
 
     def observe_plain(self, c: int, seconds: float) -> None:
         """Online update after a measured plain decode step of one request over c cached tokens."""

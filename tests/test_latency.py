@@ -401,6 +401,64 @@ def test_online_plain_correction(roofline: RooflineModel) -> None:
     assert model.ema_factor == 1.0 and model.predict(8, 1000) == offline.predict(8, 1000)
 
 
+def test_planning_prices_plain_steps_as_of_the_last_verify_observation(roofline: RooflineModel) -> None:
+    """Plain steps of a batch of 8 run 1.8x the profile while nothing verifies: the current L_AR follows
+    them, the planner's L_AR stays as old as the verify evidence (the profile's) until a verify pass is
+    observed, and from then on the two are one."""
+    model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.1)
+    offline = LatencyModel(roofline, TRUE_FIT)
+    batch = [512] * 8
+    assert model.predict_plain_batch_as_of_verify(batch) == offline.predict_plain_batch(batch)
+    for _ in range(ONLINE_STEPS):
+        model.observe_plain_batch(batch, 1.8 * offline.predict_plain_batch(batch))
+    now = model.predict_plain_batch(batch)
+    assert now == pytest.approx(1.8 * offline.predict_plain_batch(batch), rel=0.01)
+    assert model.predict_plain_batch_as_of_verify(batch) == offline.predict_plain_batch(batch)
+    assert model.predict_batch([4] * 8, batch) == offline.predict_batch([4] * 8, batch)  # verify: stale alike
+    model.observe_batch([4] * 8, batch, 1.6 * offline.predict_batch([4] * 8, batch))
+    assert model.predict_plain_batch_as_of_verify(batch) == model.predict_plain_batch(batch)
+    for _ in range(5):  # plain steps after the verify pass move only the current L_AR
+        model.observe_plain_batch(batch, 2.5 * offline.predict_plain_batch(batch))
+    assert model.predict_plain_batch(batch) > 1.9 * offline.predict_plain_batch(batch)
+    assert model.predict_plain_batch_as_of_verify(batch) == pytest.approx(
+        1.8 * offline.predict_plain_batch(batch), rel=0.01
+    )
+
+
+def test_without_a_profile_planning_takes_the_current_plain_step_until_one_precedes_a_verify_pass(
+    roofline: RooflineModel,
+) -> None:
+    """The bare roofline does not relate plain steps to verify passes: a verify pass observed before any plain
+    step leaves the planner the current L_AR; once a plain step preceded a verify pass, its state is kept."""
+    model = LatencyModel(roofline, ema_alpha=0.1)
+    offline = LatencyModel(roofline)
+    batch = [512] * 8
+    model.observe_batch([4] * 8, batch, 1e3 * offline.predict_batch([4] * 8, batch))
+    for _ in range(10):
+        model.observe_plain_batch(batch, 5e3 * offline.predict_plain_batch(batch))
+    assert model.predict_plain_batch_as_of_verify(batch) == model.predict_plain_batch(batch)
+    model.observe_batch([4] * 8, batch, 1e3 * offline.predict_batch([4] * 8, batch))
+    held = model.predict_plain_batch(batch)
+    for _ in range(10):
+        model.observe_plain_batch(batch, 9e3 * offline.predict_plain_batch(batch))
+    assert model.predict_plain_batch_as_of_verify(batch) == held < model.predict_plain_batch(batch)
+
+
+def test_online_correction_copy_is_independent() -> None:
+    correction = OnlineCorrection(0.5)
+    correction.update(1.0, 4.0, 2.0)
+    twin = correction.copy()
+    assert (twin.scale, twin.per_token, twin.base, twin.observations) == (
+        correction.scale,
+        correction.per_token,
+        correction.base,
+        1,
+    )
+    correction.update(1.0, 4.0, 3.0)
+    assert twin.observations == 1 and twin.correct(1.0, 4.0) == pytest.approx(2.0)
+    assert correction.correct(1.0, 4.0) != twin.correct(1.0, 4.0)
+
+
 def test_online_correction_is_bounded(roofline: RooflineModel) -> None:
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.5)
     offline = LatencyModel(roofline, TRUE_FIT)

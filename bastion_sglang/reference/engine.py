@@ -223,7 +223,7 @@ class ReferenceEngine:
     def _costs_now(self, ctx_len: int) -> StepCosts:
         if self.step_costs is not None:
             return self.step_costs
-        return self._costs.costs(l_ar=self.latency.predict_plain(ctx_len))
+        return self._costs.costs(l_ar=self.latency.predict_plain_batch_as_of_verify([ctx_len]))
 
     @torch.no_grad()
     def generate(
