@@ -626,7 +626,9 @@ class LatencyModel:
         self._bucket_array = None if self._buckets is None else np.array(self._buckets, dtype=np.int64)
         self._verify = self._new_correction()
         self._plain = self._new_correction()
-        self._plain_at_verify = self._plain.copy()  # the plain correction at the last verify observation
+        # the plain correction as it stood at the last verify observation (as it started before any); None:
+        # the current one, no plain step observed since (copied when the next one comes)
+        self._plain_at_verify: OnlineCorrection | None = self._plain.copy()
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
         for what, floor in floors:
             if not floor > 0:
@@ -824,7 +826,7 @@ class LatencyModel:
         Without a profile, when no plain step had been observed by then, the current L_AR: the bare roofline
         does not relate the two passes (a DECODE step of a tiny model on a CPU measured 4× what the verify
         passes' correction made of its roofline), so nothing of that age prices a plain step."""
-        plain = self._plain_at_verify
+        plain = self._plain if self._plain_at_verify is None else self._plain_at_verify
         if not plain.observations and not self.calibrated:
             plain = self._plain
         return self._plain_prediction(plain, contexts)
@@ -843,14 +845,14 @@ class LatencyModel:
         _check_seconds(seconds)
         width = self.padded_width(s)
         self._verify.update(self._verify_seconds(width, c), width, float(seconds))
-        self._plain_at_verify = self._plain.copy()
+        self._plain_at_verify = None
 
     def observe_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts, seconds: float) -> None:
         """`observe` for one measured verify pass over a batch (padded as in `predict_batch`)."""
         _check_seconds(seconds)
         terms = self._verify_batch_terms(s_per_request, c_per_request)
         self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds))
-        self._plain_at_verify = self._plain.copy()
+        self._plain_at_verify = None
 
     def observe_plain(self, c: int, seconds: float) -> None:
         """Online update after a measured plain decode step of one request over c cached tokens."""
@@ -860,6 +862,8 @@ class LatencyModel:
         """Online update after a measured plain decode step over a batch, contexts: [B] cached tokens."""
         _check_seconds(seconds)
         c_list = _check_contexts(contexts)
+        if self._plain_at_verify is None:
+            self._plain_at_verify = self._plain.copy()
         self._plain.update(self._plain_seconds(c_list), len(c_list), float(seconds))
 
     def fit(self, samples: Sequence[LatencySample]) -> LatencyModel:
