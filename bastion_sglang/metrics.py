@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bastion_sglang.timing import STAGES, StageTimes
 
@@ -223,6 +224,16 @@ class BastionMetrics:
             "Decode steps planned without a calibrated latency profile.",
             names,
         )
+        self._series: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
+
+    def _child(self, family: Any, **extra: str) -> Any:
+        """The family's series at this worker's labels plus `extra` ones, looked up once: prometheus_client's
+        `labels` validates and locks on every call, and a decode step records a dozen series."""
+        key = (id(family), tuple(extra.items()))
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = family.labels(**self._labels, **extra)
+        return child
 
     def observe_plan(
         self,
@@ -237,44 +248,48 @@ class BastionMetrics:
         latency model had a profile; the step's mode (one of STEP_MODES)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r}; modes: {STEP_MODES}")
-        self.decode_steps.labels(**self._labels, mode=mode).inc()
+        self._child(self.decode_steps, mode=mode).inc()
+        nodes_series = self._child(self.tree_nodes)
+        accept_series = self._child(self.expected_accept)
+        raw_series = self._child(self.expected_accept_raw)
         for nodes, accept, raw in zip(node_counts, expected_accept, expected_accept_raw, strict=True):
-            self.tree_nodes.labels(**self._labels).observe(nodes)
-            self.expected_accept.labels(**self._labels).observe(accept)
-            self.expected_accept_raw.labels(**self._labels).observe(raw)
-        self.speedup_estimated.labels(**self._labels).observe(estimated_speedup)
+            nodes_series.observe(nodes)
+            accept_series.observe(accept)
+            raw_series.observe(raw)
+        self._child(self.speedup_estimated).observe(estimated_speedup)
         if not calibrated:
-            self.uncalibrated_steps.labels(**self._labels).inc()
+            self._child(self.uncalibrated_steps).inc()
 
     def observe_verify(self, estimated_seconds: float, observed_seconds: float, ema_factor: float) -> None:
         """One verify pass: the model's estimate, the measurement, the EMA factor after observing it."""
-        self.verify_estimated.labels(**self._labels).observe(estimated_seconds)
-        self.verify_observed.labels(**self._labels).observe(observed_seconds)
-        self.ema_factor.labels(**self._labels).set(ema_factor)
+        self._child(self.verify_estimated).observe(estimated_seconds)
+        self._child(self.verify_observed).observe(observed_seconds)
+        self._child(self.ema_factor).set(ema_factor)
         self._verify_passes += 1
         if self._verify_passes > WARMUP_STEPS:
             error = abs(estimated_seconds - observed_seconds) / observed_seconds
-            self.verify_relative_error.labels(**self._labels).observe(error)
+            self._child(self.verify_relative_error).observe(error)
 
     def observe_stages(self, times: StageTimes, other_seconds: float | None) -> None:
         """One decode step's stage seconds; other_seconds: None when no decode step came just before."""
         for name in STAGES:
-            self.stage_seconds.labels(**self._labels, stage=name).observe(getattr(times, name))
+            self._child(self.stage_seconds, stage=name).observe(getattr(times, name))
         if other_seconds is not None:
-            self.stage_seconds.labels(**self._labels, stage=OTHER_STAGE).observe(other_seconds)
+            self._child(self.stage_seconds, stage=OTHER_STAGE).observe(other_seconds)
 
     def observe_realised_speedup(self, speedup: float) -> None:
-        self.speedup_realised.labels(**self._labels).observe(speedup)
+        self._child(self.speedup_realised).observe(speedup)
 
     def observe_acceptance(
         self, calibration_error: float, greedy_correction: float, sampled_correction: float
     ) -> None:
         """The acceptance tracker after a step: its calibration error and per-mode corrections."""
-        self.acceptance_error.labels(**self._labels).set(calibration_error)
-        self.acceptance_correction.labels(**self._labels, mode="greedy").set(greedy_correction)
-        self.acceptance_correction.labels(**self._labels, mode="sampled").set(sampled_correction)
+        self._child(self.acceptance_error).set(calibration_error)
+        self._child(self.acceptance_correction, mode="greedy").set(greedy_correction)
+        self._child(self.acceptance_correction, mode="sampled").set(sampled_correction)
 
     def observe_accepted(self, accepted_drafts: Sequence[int]) -> None:
         """Accepted draft nodes per request of one step (host list); records tokens = accepted + 1."""
+        series = self._child(self.accept_length)
         for accepted in accepted_drafts:
-            self.accept_length.labels(**self._labels).observe(accepted + 1)
+            series.observe(accepted + 1)

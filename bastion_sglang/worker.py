@@ -424,9 +424,11 @@ class BastionWorker(DFlashWorkerV2):
                     draft_logits = self._rewriter(batch.reqs, draft_logits, contexts)
                 top = kernels.topk_logprobs(draft_logits, self.config.branching)
         with self._timer.stage("plan"):
+            bonus_tokens = draft_input.bonus_tokens
             if top is None or not self._rank_sync.leads:  # other TP ranks take rank 0's rows below
-                trees, scales = DraftTreeBatch.empty(bs, self.device), [1.0] * bs
+                trees, scales = None, [1.0] * bs
                 plan = plain_plan(bs, l_ar)
+                local_rows = kernels.root_rows(bonus_tokens)
             else:
                 calibrated = (
                     top.logprobs if self._acceptance is None else self._acceptance.apply(top.logprobs)
@@ -446,10 +448,9 @@ class BastionWorker(DFlashWorkerV2):
                 )
                 self._gate.record(plan.speculative_speedup)
                 self._accept_curve = plan.accept_curve
+                local_rows = kernels.flatten_trees(trees, bonus_tokens, plan.width)
             # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
-            rows = self._rank_sync.share_rows(
-                kernels.flatten_trees(trees, draft_input.bonus_tokens, plan.width), top is not None
-            )
+            rows = self._rank_sync.share_rows(local_rows, top is not None)
             if top is not None and self._rank_sync.leads:
                 self._horizon.observe(int(rows.depths.max()))
             width = rows.width
@@ -460,7 +461,7 @@ class BastionWorker(DFlashWorkerV2):
             self._speedups.plan(self._step_index, l_ar, bs)
             if self._metrics is not None:
                 mode = "skipped" if top is None else "speculative" if plan.speculates else "declined"
-                raw = [1.0] * bs if top is None else self._raw_expected_accept(trees, top, plan.node_counts)
+                raw = [1.0] * bs if trees is None else self._raw_expected_accept(trees, top, plan.node_counts)
                 self._metrics.observe_plan(
                     plan.node_counts,
                     plan.expected_accept,

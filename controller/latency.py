@@ -600,6 +600,7 @@ class LatencyModel:
         "_fit",
         "_plain",
         "_plain_at_verify",
+        "_plain_memo",
         "_prices",
         "_roofline",
         "_token_table",
@@ -629,6 +630,7 @@ class LatencyModel:
         # the plain correction as it stood at the last verify observation (as it started before any); None:
         # the current one, no plain step observed since (copied when the next one comes)
         self._plain_at_verify: OnlineCorrection | None = self._plain.copy()
+        self._plain_memo: tuple[tuple[int, ...], float] | None = None  # the last batch's `_plain_seconds`
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
         for what, floor in floors:
             if not floor > 0:
@@ -706,14 +708,22 @@ class LatencyModel:
             s_list = [self.padded_width(max(s_list))] * len(s_list)
         return self._roofline.pass_terms_batch(s_list, c_per_request)
 
-    def _plain_seconds(self, contexts: TokenCounts) -> float:
-        c_list = contexts.tolist() if isinstance(contexts, torch.Tensor) else list(contexts)
+    def _plain_seconds(self, contexts: list[int]) -> float:
+        """Offline seconds of a plain decode step over `contexts` ([B] cached tokens, checked), before the
+        online correction. The last batch's value is kept: a decode step prices its plain step for the
+        planner and for the step record, then observes it, all at the same contexts."""
+        key = tuple(contexts)
+        if self._plain_memo is not None and self._plain_memo[0] == key:
+            return self._plain_memo[1]
         fit = self.latency_fit
-        terms = self._roofline.pass_terms_batch([1] * len(c_list), c_list)
+        terms = self._roofline.pass_terms_batch([1] * len(contexts), contexts)
         if fit.decode is None:
-            return fit.seconds(terms)
-        extra = _plain_extra(fit, self._roofline, len(c_list))
-        return fit.decode.beta + fit.decode.alpha_attn * terms.attention_seconds + extra
+            seconds = fit.seconds(terms)
+        else:
+            extra = _plain_extra(fit, self._roofline, len(contexts))
+            seconds = fit.decode.beta + fit.decode.alpha_attn * terms.attention_seconds + extra
+        self._plain_memo = (key, seconds)
+        return seconds
 
     def predict(self, s: int, c: int) -> float:
         """Seconds of one verify pass of s tokens over c cached tokens, at the padded width, corrected."""

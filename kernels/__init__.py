@@ -61,6 +61,7 @@ __all__ = [
     "flatten_trees",
     "position_uniforms",
     "processed_probs",
+    "root_rows",
     "sample_tokens",
     "topk_logprobs",
     "tree_attention",
@@ -98,6 +99,14 @@ def flatten_trees(trees: DraftTreeRows, bonus_tokens: torch.Tensor, width: int) 
     """
     checks.check_flatten_trees(trees, bonus_tokens, width)
     return reference.flatten_trees(trees, bonus_tokens, width)
+
+
+def root_rows(bonus_tokens: torch.Tensor) -> TreeBatch:
+    """Verify rows of width 1, the roots alone (a plain step): what `flatten_trees` makes of trees without a
+    node at W = 1, without building them. bonus_tokens: [B] int64. Returns TreeBatch [B, 1]: tokens =
+    bonus_tokens, parents NO_NODE, depths 0. No host sync."""
+    checks.check_root_rows(bonus_tokens)
+    return reference.root_rows(bonus_tokens)
 
 
 def build_verify_layout(trees: TreeBatch, ctx_lens: torch.Tensor) -> VerifyLayout:

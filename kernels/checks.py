@@ -91,6 +91,12 @@ def check_flatten_trees(trees: DraftTreeRows, bonus_tokens: torch.Tensor, width:
         raise ValueError(f"width {width} needs {width - 1} draft nodes per request, trees have N = {nodes}")
 
 
+def check_root_rows(bonus_tokens: torch.Tensor) -> None:
+    """bonus_tokens [B] int64."""
+    _require_tensor("bonus_tokens", bonus_tokens)
+    _require_int64("bonus_tokens", bonus_tokens, "[B]", 1)
+
+
 def check_build_verify_layout(trees: TreeBatch, ctx_lens: torch.Tensor) -> None:
     """trees: a TreeBatch [B, W]; ctx_lens [B] int64."""
     check_tree_batch(trees)

@@ -54,6 +54,17 @@ def flatten_trees(trees: DraftTreeRows, bonus_tokens: torch.Tensor, width: int) 
     )
 
 
+def root_rows(bonus_tokens: torch.Tensor) -> TreeBatch:
+    """Verify rows that hold only their roots (W = 1): `flatten_trees` of trees without a node at width 1.
+    bonus_tokens: [B] int64. Returns TreeBatch [B, 1]."""
+    column = bonus_tokens[:, None]
+    return TreeBatch(
+        tokens=column,
+        parents=torch.full_like(column, NO_NODE),
+        depths=torch.zeros_like(column),
+    )
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, W] int64 parents (root NO_NODE) -> [B, W, W] bool, [b, j, k] True iff k is j or an ancestor of j.
 

@@ -18,6 +18,7 @@ from bastion_sglang.kernels import (
     build_verify_layout,
     flat_custom_mask,
     flatten_trees,
+    root_rows,
 )
 
 
@@ -142,6 +143,20 @@ def test_flatten_truncates_to_width_and_accepts_draft_tree_batch():
     root_only = flatten_trees(draft, torch.tensor([5, 7]), width=1)
     assert root_only.tokens.tolist() == [[5], [7]]
     assert root_only.parents.tolist() == [[-1], [-1]]
+
+
+def test_root_rows_equal_flattening_trees_without_a_node_at_width_one():
+    bonus = torch.tensor([5, 7, 9])
+    roots = root_rows(bonus)
+    flattened = flatten_trees(DraftTreeBatch.empty(3, "cpu"), bonus, width=1)
+    for name in ("tokens", "parents", "depths"):
+        got, want = getattr(roots, name), getattr(flattened, name)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+    assert roots.width == 1 and roots.batch_size == 3
+    with pytest.raises(ValueError, match=r"bonus_tokens must be int64, got torch\.int32"):
+        root_rows(bonus.int())
+    with pytest.raises(ValueError, match=r"bonus_tokens must be \[B\]"):
+        root_rows(bonus[:, None])
 
 
 def test_flatten_rejects_bad_inputs():

@@ -425,6 +425,20 @@ def test_planning_prices_plain_steps_as_of_the_last_verify_observation(roofline:
     )
 
 
+def test_plain_step_prices_follow_the_batch_they_are_asked_for(roofline: RooflineModel) -> None:
+    """A step prices one batch several times (plan, record, observation); each batch still gets its own price:
+    one asked after another equals a fresh model's, whether its contexts, their order or its size changed."""
+    model = LatencyModel(roofline, TRUE_FIT)
+    for batch in ([512] * 8, [512] * 7, [513] * 8, [100, 2000], [2000, 100], [100, 2000], [0]):
+        assert model.predict_plain_batch(batch) == LatencyModel(roofline, TRUE_FIT).predict_plain_batch(batch)
+    observed = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.5)
+    reference = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.5)
+    observed.predict_plain_batch([64] * 4)  # the last price was of another batch than the observed one
+    observed.observe_plain_batch([4096] * 4, 0.5)
+    reference.observe_plain_batch([4096] * 4, 0.5)
+    assert observed.predict_plain_batch([64] * 4) == reference.predict_plain_batch([64] * 4)
+
+
 def test_without_a_profile_planning_takes_the_current_plain_step_until_one_precedes_a_verify_pass(
     roofline: RooflineModel,
 ) -> None:
