@@ -14,9 +14,12 @@ and end-to-end speed of the budget policies on a trained target/drafter pair.
     planner.json: microseconds per step of the planner as the engine runs it (top-k of the drafter logits,
     `build_tree` heap or `build_trees` beam, then the adaptive choice with the fitted latency model) at
     budgets 64..1024, next to the verify milliseconds of a pass of that width.
-(b) pair.json (with --target/--draft): tokens/s, τ (mean accepted length, bonus included) and speedup over
-    plain decoding for ar, chain, fixed:64, fixed:256 and adaptive on the same prompts in one run, greedy,
-    planning with the latency model fitted in (a) on this very target (its EMA running).
+(b) pair.json (with --target/--draft): `reference.pair_bench`, the table of `bastion bench` at batch 1: decode
+    tokens/s (prefill excluded) of every --policies entry at every --temperatures value over --pair-repeats
+    rounds in Williams order, τ, nodes per step, per-token latency p50/p90, the best policy in hindsight and
+    adaptive's ratio to it, to the best fixed budget and to ar; every policy run plans with a fresh copy of
+    the latency model fitted in (a) on this very target, and (by default) ignores EOS so every policy
+    decodes the same number of tokens.
 
 The hardware peaks of the roofline come from the CUDA device name (`lookup_gpu`) unless --peak-flops and
 --bandwidth are given; the CPU smoke run uses nominal peaks, named as such in its JSON.
@@ -52,12 +55,12 @@ from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
 from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
 from bastion_sglang.kernels import topk_logprobs
-from bastion_sglang.reference import (
-    DFlashDrafter,
-    GenerationResult,
-    ReferenceEngine,
-    TargetModel,
-    load_causal_lm,
+from bastion_sglang.reference import DFlashDrafter, TargetModel, load_causal_lm
+from bastion_sglang.reference.pair_bench import (
+    DEFAULT_PAIR_POLICIES,
+    PairBenchReport,
+    format_table,
+    run_pair_bench,
 )
 from bastion_sglang.timing import StageTimer
 
@@ -79,7 +82,6 @@ TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_posit
 FULL_WIDTHS = tuple(2**i for i in range(11))  # 1 .. 1024
 FULL_CONTEXTS = tuple(64 * 2**i for i in range(8))  # 64 .. 8192
 FULL_BUDGETS = (64, 128, 256, 512, 1024)
-PAIR_POLICIES = ("ar", "chain", "fixed:64", "fixed:256", "adaptive")
 PLANNER_CONTEXT = 1024
 PLANNER_DEPTH = 15  # D of a block of 16
 NOMINAL_CPU = HardwareSpec(name="nominal-cpu (smoke)", peak_flops=1e11, bandwidth=2e10)
@@ -146,34 +148,11 @@ class PlannerReport(BaseModel):
     rows: list[PlannerRow]
 
 
-class PolicyRun(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    policy: str
-    new_tokens: int
-    steps: int
-    prefill_seconds: float
-    decode_seconds: float  # sum of step wall times (prefill excluded)
-    wall_seconds: float  # the generate calls end to end
-    tokens_per_second: float  # new_tokens / wall_seconds
-    tau: float  # mean accepted length per verify pass, bonus included
-    mean_nodes: float
-    mean_verify_ms: float
-    verify_prediction_mape: float  # mean |predicted - observed| / observed verify time over the steps
-    speedup_vs_ar: float  # ar's wall_seconds / this wall_seconds, per token
-    same_output_as_ar: float  # fraction of prompts whose tokens equal ar's
-
-
 class PairReport(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     environment: Environment
-    target: str
-    draft: str
-    prompts: int
-    max_new_tokens: int
-    runs: list[PolicyRun]
-    final_ema_factor: float
+    bench: PairBenchReport
 
 
 def synchronize(device: torch.device) -> None:
@@ -339,74 +318,6 @@ def load_prompts(target_path: Path, prompts_file: Path | None, count: int, vocab
     return [tokenizer(text)["input_ids"] for text in texts]
 
 
-def run_pair(
-    target_path: Path,
-    draft_path: Path,
-    model: PreTrainedModel,
-    latency: LatencyModel,
-    environment: Environment,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    max_nodes: int,
-    policies: Sequence[str],
-) -> PairReport:
-    """Greedy generation of every prompt under every policy (the first must be "ar", the baseline)."""
-    if policies[0] != "ar":
-        raise ValueError(f"the first policy must be 'ar' (the baseline), got {policies[0]!r}")
-    device = torch.device(environment.device)
-    engine = ReferenceEngine(
-        model, draft_path, device=device, dtype=model.dtype, latency=latency, max_nodes=max_nodes
-    )
-    for policy in policies:  # warm every kernel shape class once
-        engine.generate(prompts[0], min(16, max_new_tokens), policy=policy)
-    outputs: dict[str, list[GenerationResult]] = {}
-    walls: dict[str, float] = {}
-    for policy in policies:
-        synchronize(device)
-        start = time.perf_counter()
-        outputs[policy] = [engine.generate(prompt, max_new_tokens, policy=policy) for prompt in prompts]
-        synchronize(device)
-        walls[policy] = time.perf_counter() - start
-        new_tokens = sum(len(result.tokens) for result in outputs[policy])
-        print(f"{policy}: {new_tokens} new tokens in {walls[policy]:.1f} s", flush=True)
-    ar_rate = sum(len(result.tokens) for result in outputs["ar"]) / walls["ar"]
-    runs = []
-    for policy in policies:
-        results = outputs[policy]
-        steps = [step for result in results for step in result.steps]
-        tokens = sum(len(result.tokens) for result in results)
-        errors = [
-            abs(step.predicted_verify_seconds - step.seconds.verify) / step.seconds.verify for step in steps
-        ]
-        same = [a.tokens == b.tokens for a, b in zip(results, outputs["ar"], strict=True)]
-        runs.append(
-            PolicyRun(
-                policy=policy,
-                new_tokens=tokens,
-                steps=len(steps),
-                prefill_seconds=sum(result.prefill_seconds for result in results),
-                decode_seconds=sum(result.decode_seconds for result in results),
-                wall_seconds=walls[policy],
-                tokens_per_second=tokens / walls[policy],
-                tau=sum(step.accepted + 1 for step in steps) / max(len(steps), 1),
-                mean_nodes=sum(step.nodes for step in steps) / max(len(steps), 1),
-                mean_verify_ms=1e3 * sum(step.seconds.verify for step in steps) / max(len(steps), 1),
-                verify_prediction_mape=sum(errors) / max(len(errors), 1),
-                speedup_vs_ar=(tokens / walls[policy]) / ar_rate,
-                same_output_as_ar=sum(same) / len(same),
-            )
-        )
-    return PairReport(
-        environment=environment,
-        target=str(target_path),
-        draft=str(draft_path),
-        prompts=len(prompts),
-        max_new_tokens=max_new_tokens,
-        runs=runs,
-        final_ema_factor=engine.latency.ema_factor,
-    )
-
-
 def smoke_pair(folder: Path, model: PreTrainedModel) -> tuple[Path, Path]:
     """Save the tiny random target and a random DFlash drafter for it (z-lab format) under `folder`."""
     target_path = folder / "target"
@@ -474,7 +385,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         help='text file (one prompt per line) or .jsonl ({"prompt": ...} per line); default: 8 built in',
     )
     parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_PAIR_POLICIES),
+        help="comma-separated policies of part b (ar, chain, fixed:N, bucketed, adaptive)",
+    )
+    parser.add_argument("--temperatures", default="0", help="comma-separated temperatures of part b")
+    parser.add_argument("--pair-repeats", type=int, default=2, help="rounds of part b (Williams order)")
+    parser.add_argument(
+        "--keep-eos", action="store_true", help="stop at EOS (default: every request decodes all its tokens)"
+    )
     parser.add_argument("--max-nodes", type=int, default=1024, help="tree budget cap of the adaptive policy")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per latency point")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for the roofline (default: by device name)")
@@ -494,7 +415,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_new_tokens, prompt_count, policies = 16, 2, ("ar", "chain", "fixed:8", "fixed:16", "adaptive")
     else:
         widths, contexts, budgets, repeats = FULL_WIDTHS, FULL_CONTEXTS, FULL_BUDGETS, args.repeats
-        max_new_tokens, prompt_count, policies = args.max_new_tokens, args.num_prompts, PAIR_POLICIES
+        max_new_tokens, prompt_count = args.max_new_tokens, args.num_prompts
+        policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
+    temperatures = tuple(float(value) for value in args.temperatures.split(",") if value.strip())
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.target is not None:
@@ -530,23 +453,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             prompts = load_prompts(
                 Path(target_path), args.prompts, prompt_count, int(model.config.vocab_size)
             )
-            pair = run_pair(
-                Path(target_path),
-                Path(draft_path),
+
+            def save(bench: PairBenchReport) -> None:
+                write(args.out, "pair.json", PairReport(environment=environment, bench=bench))
+                print(format_table(bench), flush=True)
+
+            run_pair_bench(
                 model,
+                Path(draft_path),
                 latency,
-                environment,
                 prompts,
-                max_new_tokens,
-                args.max_nodes,
-                policies,
+                target_name=str(target_path),
+                policies=policies,
+                temperatures=temperatures,
+                repeats=args.pair_repeats,
+                max_new_tokens=max_new_tokens,
+                max_nodes=args.max_nodes,
+                ignore_eos=not args.keep_eos,
+                on_round=save,
             )
-            write(args.out, "pair.json", pair)
-            for run in pair.runs:
-                print(
-                    f"{run.policy:>10}: {run.tokens_per_second:8.1f} tok/s  tau {run.tau:5.2f}  "
-                    f"x{run.speedup_vs_ar:4.2f} vs ar  nodes {run.mean_nodes:6.1f}"
-                )
 
 
 if __name__ == "__main__":

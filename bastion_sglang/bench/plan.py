@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,7 @@ from bastion_sglang.controller.policies import parse_policy
 from bastion_sglang.prompt_sets import PROMPT_SETS, Prompt, chat_prompt_ids, load_prompts
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_POLICIES = "ar,chain,fixed:1,fixed:2,fixed:4,fixed:8,fixed:16,fixed:64,adaptive"
 DEFAULT_MAX_BUDGET = 64
@@ -287,7 +288,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
     return server_args
 
 
-def repeat_order(policies: Sequence[BenchPolicy], repeat_index: int) -> tuple[BenchPolicy, ...]:
+def repeat_order(policies: Sequence[T], repeat_index: int) -> tuple[T, ...]:
     """The policies in the order round `repeat_index` (from 0) runs them: row `repeat_index` of a Williams
     design, balanced for carry-over.
 
