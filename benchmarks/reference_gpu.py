@@ -187,8 +187,12 @@ def measure_verify(
     target: TargetModel, widths: Sequence[int], contexts: Sequence[int], repeats: int
 ) -> list[LatencySample]:
     """Median verify seconds per (s, c): one prefill of max(c) random tokens, then for every c (descending)
-    the cache is cut to c and each width runs a causal block of s tokens, CUDA-event timed, cut back. A
-    width of 1 is a plain decode step (mode "decode")."""
+    and width s an untimed pass at c, then `repeats` CUDA-event timed passes of a causal block of s tokens
+    at c - repeats, .., c - 1 cached tokens. Each timed pass meets a key length it has not run
+    at, as every decoding step of the engine does, so a cost paid per new shape (a kernel plan built per
+    shape) shows here instead of being warmed away. A width of 1 is a plain decode step (mode "decode")."""
+    if repeats >= min(contexts):
+        raise ValueError(f"repeats ({repeats}) must be below the smallest context ({min(contexts)})")
     device = target.device
     vocab = int(target.model.config.vocab_size)
     cache = target.new_cache(max(contexts) + max(widths))
@@ -203,14 +207,15 @@ def measure_verify(
             positions = torch.arange(c, c + s, device=device)
             visible = torch.ones((s, s), dtype=torch.bool, device=device).tril()
             times = []
-            for attempt in range(repeats + 1):
+            for context in (c, *range(c - repeats, c)):  # the first pass warms what depends on s only
+                cache.truncate(context)
                 timer = StageTimer(device)
                 with timer.stage("verify"):
-                    target.forward(cache, tokens, positions, visible)
+                    target.forward(cache, tokens, positions + (context - c), visible)
                 seconds = timer.finish().verify
-                cache.truncate(c)
-                if attempt:  # the first pass warms kernels for this shape
+                if context != c:
                     times.append(seconds)
+            cache.truncate(c)
             mode = "decode" if s == 1 else "verify"
             samples.append(LatencySample(s=s, c=c, seconds=statistics.median(times), mode=mode))
     return samples
