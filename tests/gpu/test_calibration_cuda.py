@@ -8,6 +8,7 @@ Each engine runs in a child process (SGLang's runtime context is process-global)
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,14 @@ from bastion_sglang.controller.profile import load_profile
 from bastion_sglang.controller.roofline import lookup_gpu
 
 GRID = ["--max-width", "32", "--max-context", "256", "--repeats", "3", "--warmup", "2", "--dtype", "bfloat16"]
+PROMPTS = (
+    "def add(a, b):",
+    "The capital of France is",
+    "Once upon a time",
+    "SELECT * FROM",
+    "1, 2, 3,",
+    "Hello",
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +64,10 @@ def test_calibrate_on_cuda_writes_a_profile_auto_finds(
     argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]
     argv += ["--draft-model-path", str(drafter), "--engine", engine, "--attention-backend", backend]
     argv += ["--device", "cuda", *GRID, "--store", str(store.root)]
+    prompts = tmp_path / "prompts.jsonl"  # a file, not a prompt-set package: GPU machines may lack those
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
+    argv += ["--acceptance-prompts", str(prompts), "--acceptance-num-prompts", str(len(PROMPTS))]
+    argv += ["--acceptance-max-new-tokens", "16"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     (path,) = store.root.glob("*.json")
