@@ -233,10 +233,32 @@ def build_trees_host_unchecked(
     )
 
 
+HOST_BUILDER_ROW_COST = 300
+"""Host builder cost per row in node-equivalents: a row of `budget` nodes costs about budget + 300 units."""
+HOST_BUILDER_LIMIT = 12_000
+"""On CUDA the host builder is used while batch · (budget + HOST_BUILDER_ROW_COST) stays within this."""
+
+
+def builds_on_host(batch: int, budget: int, device: torch.device) -> bool:
+    """Whether `build_trees_auto` builds `batch` trees of `budget` nodes on the host (else the beam).
+
+    Off CUDA always. On CUDA the beam costs about 4.5-8 ms whatever the batch (its many small kernels), the
+    host builder (draft copied to the host, exact search row by row, trees copied back) a time that grows
+    with batch · budget. Measured on one H200's host (`python -m bastion_sglang.controller.bench --device
+    cuda`, medians, µs, host / beam): B = 1: 407 / 4937 at budget 64, 796 / 5890 at 1024; B = 8: 1371 /
+    4754 at 64, 4750 / 7505 at 1024; B = 32: 4196 / 4712 at 64, 5191 / 4692 at 128, 16910 / 7689 at 1024.
+    batch · (budget + 300) <= 12000 separates these cases; the plan stage syncs with the host anyway
+    (`plan_batch` reads the scores), so the host builder adds no sync of its own.
+    """
+    if device.type != "cuda":
+        return True
+    return batch * (budget + HOST_BUILDER_ROW_COST) <= HOST_BUILDER_LIMIT
+
+
 def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
-    """The trees of `build_trees`, built the fastest way for the device: the exact threshold search row by
-    row on the host (`build_trees_host`, where torch ops are slow), the beam on CUDA (no host sync). Both give
-    identical results (tested). Same arguments as `build_trees`.
+    """The trees of `build_trees`, built the fastest way for the device and size (`builds_on_host`): the
+    exact threshold search row by row on the host (`build_trees_host`) or the beam. Both give identical
+    results (tested). Same arguments as `build_trees`.
     """
     validate_draft(logprobs, token_ids, batched=True)
     validate_budget(budget)
@@ -247,6 +269,6 @@ def build_trees_auto_unchecked(
     logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
 ) -> DraftTreeBatch:
     """`build_trees_auto` without input validation, for callers that produced the arrays themselves."""
-    if logprobs.is_cuda:
-        return build_trees_unchecked(logprobs, token_ids, budget)
-    return build_trees_host_unchecked(logprobs, token_ids, budget)
+    if builds_on_host(logprobs.shape[0], budget, logprobs.device):
+        return build_trees_host_unchecked(logprobs, token_ids, budget)
+    return build_trees_unchecked(logprobs, token_ids, budget)

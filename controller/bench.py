@@ -8,7 +8,8 @@ Rows (D = 15 depths, K = min(budget, 64) candidates per depth: the DFlash block 
   list: pop the best, push its next sibling and first child; no validation, host arrays out: the baseline),
   `build_tree` (the same heap behind the public API: validated, a DraftTree out), `build_tree_fast` (the
   exact threshold search: the same tree), and for a batch of 1, 8 and 32 the beam (`build_trees`, on the
-  device) and the host builder `build_trees_auto` takes off CUDA (`build_trees_host`);
+  device) and the host builder (`build_trees_host`, which `build_trees_auto` takes off CUDA and for small
+  CUDA batches, `builds_on_host`);
 - fused adaptive planning at N_max = 1024 (`plan_adaptive@n`): the per-token step cost is tuned (bisection)
   so that the adaptive node count n* lands near 8, 32 and 128 on the K = 64 draft; next to it the unfused
   paths to the same tree (`build_tree+choose`, `build_tree_fast+choose`);

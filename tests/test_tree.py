@@ -20,7 +20,7 @@ from bastion_sglang.controller import (
     build_trees_host,
     expected_accept_length,
 )
-from bastion_sglang.controller.batched import build_trees_auto_unchecked
+from bastion_sglang.controller.batched import build_trees_auto_unchecked, builds_on_host
 
 
 def random_draft(
@@ -216,3 +216,12 @@ def test_controller_imports_no_serving_stack() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_auto_builder_takes_the_host_for_small_cuda_batches_and_the_beam_for_large() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for batch, budget in ((1, 64), (1, 1024), (8, 64), (8, 1024), (32, 64)):  # host faster on the H200 host
+        assert builds_on_host(batch, budget, cuda), (batch, budget)
+    for batch, budget in ((32, 128), (32, 256), (32, 1024), (64, 64)):  # the beam faster there
+        assert not builds_on_host(batch, budget, cuda), (batch, budget)
+    assert builds_on_host(64, 1024, cpu)

@@ -14,7 +14,7 @@ Attention kernels on CUDA. A forward runs SDPA with the memory-efficient kernel 
 cuDNN. PyTorch may pick cuDNN attention for an additive mask on Hopper, and cuDNN builds a graph per (query
 length, key length), cached by shape; every decoding step brings a new key length, and an adaptive budget a
 new query length too. Measured on one H200 (torch 2.11, the demo target's shape, 30 layers, bf16, cuDNN
-allowed): verify passes of 257 or 513 tokens took 26-40 ms at shapes run before in the process (once 49 ms)
+allowed): verify passes of 185 to 640 tokens took 26-40 ms at shapes run before in the process (once 49 ms)
 and 74-125 ms at new ones, and the reference engine's adaptive steps (370-640 nodes, a new width every step)
 verified in 63-83 ms where fixed:256 took 25-27 ms in the same rounds. That pattern is the one a per-shape
 graph build gives; the kernel chosen was not recorded, and runs with this restriction are still to be made.
