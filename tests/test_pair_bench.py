@@ -3,7 +3,6 @@ lossless outputs, the Williams order, the summary's ratios; and the attention ke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,7 @@ HARDWARE = HardwareSpec(name="test-cpu", peak_flops=1e11, bandwidth=2e10)
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the random-weight DFlash drafter exercises the real drafting path (it rarely get
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +119,7 @@ def greedy(
     return tuple(out[0, len(prompt) :].tolist())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
