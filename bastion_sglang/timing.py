@@ -53,6 +53,12 @@ def _elapsed(start: Mark, end: Mark) -> float:
     raise ValueError("a span mixes CUDA events and host clock readings")
 
 
+def synchronize(device: torch.device) -> None:
+    """Block the host until `device` has finished its queued work (a no-op off CUDA): a timing boundary."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _wait(mark: Mark) -> None:
     """Block the host until `mark` has completed (a no-op for a host clock reading)."""
     if isinstance(mark, torch.cuda.Event):

@@ -62,7 +62,7 @@ from bastion_sglang.reference.pair_bench import (
     format_table,
     run_pair_bench,
 )
-from bastion_sglang.timing import StageTimer
+from bastion_sglang.timing import StageTimer, synchronize
 
 QWEN3_8B = dict(
     vocab_size=151936,
@@ -155,11 +155,6 @@ class PairReport(BaseModel):
     bench: PairBenchReport
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # host sync: timing boundary
-
-
 def median_seconds(run: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
     """Median wall seconds of run() (device work included)."""
     for _ in range(warmup):
@@ -188,9 +183,9 @@ def measure_verify(
 ) -> list[LatencySample]:
     """Median verify seconds per (s, c): one prefill of max(c) random tokens, then for every c (descending)
     and width s an untimed pass at c, then `repeats` CUDA-event timed passes of a causal block of s tokens
-    at c - repeats, .., c - 1 cached tokens. Each timed pass meets a key length it has not run
-    at, as every decoding step of the engine does, so a cost paid per new shape (a kernel plan built per
-    shape) shows here instead of being warmed away. A width of 1 is a plain decode step (mode "decode")."""
+    at c - repeats, .., c - 1 cached tokens. Each timed pass meets a key length it has not run at, as every
+    decoding step of the engine does, so a cost paid per new shape (a kernel plan built per shape) shows
+    here instead of being warmed away. A width of 1 is a plain decode step (mode "decode")."""
     if repeats >= min(contexts):
         raise ValueError(f"repeats ({repeats}) must be below the smallest context ({min(contexts)})")
     device = target.device

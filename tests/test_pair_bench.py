@@ -75,13 +75,13 @@ def test_every_policy_does_the_same_lossless_work_in_williams_order(
                 assert measured.mean_nodes == 0 and measured.tau == 1.0
             if result.policy == "fixed:4":
                 assert measured.mean_nodes == 4.0
-    assert [s.temperature for s in report.summaries] == [0.0, 0.8]
+    assert [s.rates.temperature for s in report.summaries] == [0.0, 0.8]
     assert "adaptive/best" in format_table(report)
     assert latency.ema_factor == 1.0  # every policy run planned with its own copy
 
 
 def test_summary_ratios_follow_the_medians_and_pair_rounds() -> None:
-    def result(policy: str, rates: list[float]) -> PolicyResult:
+    def result(policy: str, rates: list[float], temperature: float = 0.0) -> PolicyResult:
         rounds = [
             PairRound(
                 repeat=i + 1,
@@ -102,7 +102,7 @@ def test_summary_ratios_follow_the_medians_and_pair_rounds() -> None:
             for i, rate in enumerate(rates)
         ]
         return PolicyResult(
-            policy=policy, temperature=0.0, rounds=rounds, decode_tokens_per_second=Spread.of(rates)
+            policy=policy, temperature=temperature, rounds=rounds, decode_tokens_per_second=Spread.of(rates)
         )
 
     results = [
@@ -110,12 +110,15 @@ def test_summary_ratios_follow_the_medians_and_pair_rounds() -> None:
         result("fixed:8", [12.0, 6.0, 12.0]),
         result("fixed:64", [11.0, 11.0, 11.0]),
         result("adaptive", [9.0, 9.0, 12.0]),
+        result("adaptive", [99.0, 99.0, 99.0], temperature=0.7),  # another temperature: left out
+        result("fixed:16", [50.0, 50.0, 50.0], temperature=0.7),
     ]
     summary = summarize(0.0, results)
-    assert summary.best_policy == "fixed:8" and summary.best_fixed_policy == "fixed:8"
-    assert summary.adaptive_vs_best == pytest.approx(9.0 / 12.0)
-    assert summary.adaptive_vs_ar == pytest.approx(9.0 / 8.0)
-    paired = summary.adaptive_vs_best_per_round
+    assert summary.rates.best_policy == "fixed:8" and summary.best_fixed_policy == "fixed:8"
+    assert summary.rates.adaptive_vs_best == pytest.approx(9.0 / 12.0)
+    assert summary.adaptive_vs_best_fixed == pytest.approx(9.0 / 12.0)
+    assert summary.rates.adaptive_vs_ar == pytest.approx(9.0 / 8.0)
+    paired = summary.rates.adaptive_vs_best_per_repeat
     assert paired is not None
     assert (paired.min, paired.median, paired.max) == pytest.approx((0.75, 1.0, 1.5))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,15 +55,15 @@ class EstimateSummary:
         )
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
     """numerator / denominator; None when either is missing or the denominator is 0."""
     return None if numerator is None or not denominator else numerator / denominator
 
 
 def _relative_error(expected: float | None, realised: float | None) -> float | None:
     """expected / realised - 1; None when either is missing or realised is 0."""
-    ratio = _ratio(expected, realised)
-    return None if ratio is None else ratio - 1.0
+    quotient = ratio(expected, realised)
+    return None if quotient is None else quotient - 1.0
 
 
 def _estimate_fields(estimate: EstimateSummary | None) -> dict[str, Any]:
@@ -117,46 +117,51 @@ def with_speedups(rows: Sequence[BenchRow]) -> tuple[BenchRow, ...]:
     return tuple(
         row.model_copy(
             update={
-                "speedup": _ratio(row.decode_tokens_per_second.median, decode.get(row.temperature)),
-                "wall_speedup": _ratio(row.tokens_per_second.median, wall.get(row.temperature)),
+                "speedup": ratio(row.decode_tokens_per_second.median, decode.get(row.temperature)),
+                "wall_speedup": ratio(row.tokens_per_second.median, wall.get(row.temperature)),
             }
         )
         for row in rows
     )
 
 
-def paired_ratios(row: BenchRow | None, baseline: BenchRow | None) -> Spread | None:
-    """`row`'s decode tokens/s over `baseline`'s in the same repeat, over the repeats (None: either row
-    missing). Under the interleaved schedule the two ran side by side in every repeat, so each ratio is free
-    of the machine's drift between repeats."""
-    if row is None or baseline is None:
+def paired_ratios(rates: Sequence[float] | None, baseline: Sequence[float] | None) -> Spread | None:
+    """`rates` over `baseline`, repeat by repeat (the same repeats, in order), over the repeats (None: either
+    missing, or a baseline rate of 0). Under the interleaved schedule the two ran side by side in every
+    repeat, so each ratio is free of the machine's drift between repeats."""
+    if rates is None or baseline is None or not all(baseline):
         return None
-    return Spread.of(
-        [
-            mine.decode_tokens_per_second / theirs.decode_tokens_per_second
-            for mine, theirs in zip(row.per_repeat, baseline.per_repeat, strict=True)
-        ]
+    return Spread.of([mine / theirs for mine, theirs in zip(rates, baseline, strict=True)])
+
+
+def summarize_rates(temperature: float, rates: Mapping[str, Sequence[float]]) -> TemperatureSummary:
+    """One temperature from each policy's decode tokens/s per repeat (the same repeats, in order): the best
+    policy in hindsight by median (the first listed on a tie), adaptive's median over the best's and ar's,
+    and its per-repeat ratios to them."""
+    medians = {policy: statistics.median(values) for policy, values in rates.items()}
+    best = max(medians, key=medians.__getitem__)
+    adaptive = rates.get("adaptive")
+    return TemperatureSummary(
+        temperature=temperature,
+        best_policy=best,
+        best_decode_tokens_per_second=medians[best],
+        adaptive_vs_best=ratio(medians.get("adaptive"), medians[best]),
+        adaptive_vs_ar=ratio(medians.get("adaptive"), medians.get("ar")),
+        adaptive_vs_best_per_repeat=paired_ratios(adaptive, rates[best]),
+        adaptive_vs_ar_per_repeat=paired_ratios(adaptive, rates.get("ar")),
     )
 
 
 def summarize(rows: Sequence[BenchRow], temperatures: Sequence[float]) -> tuple[TemperatureSummary, ...]:
-    """Per temperature: the best policy in hindsight by median decode tokens/s (the first listed on a tie),
-    and adaptive's median over the best's and ar's, and its per-repeat ratios to them."""
-    summaries = []
-    for temperature in temperatures:
-        by_policy = {row.policy: row for row in rows if row.temperature == temperature}
-        rates = {policy: row.decode_tokens_per_second.median for policy, row in by_policy.items()}
-        best = max(rates, key=rates.__getitem__)
-        adaptive = by_policy.get("adaptive")
-        summaries.append(
-            TemperatureSummary(
-                temperature=temperature,
-                best_policy=best,
-                best_decode_tokens_per_second=rates[best],
-                adaptive_vs_best=_ratio(rates.get("adaptive"), rates[best]),
-                adaptive_vs_ar=_ratio(rates.get("adaptive"), rates.get("ar")),
-                adaptive_vs_best_per_repeat=paired_ratios(adaptive, by_policy[best]),
-                adaptive_vs_ar_per_repeat=paired_ratios(adaptive, by_policy.get("ar")),
-            )
+    """`summarize_rates` per temperature, each row's rates taken from its repeats."""
+    return tuple(
+        summarize_rates(
+            temperature,
+            {
+                row.policy: [m.decode_tokens_per_second for m in row.per_repeat]
+                for row in rows
+                if row.temperature == temperature
+            },
         )
-    return tuple(summaries)
+        for temperature in temperatures
+    )

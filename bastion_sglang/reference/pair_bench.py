@@ -22,15 +22,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
+from bastion_sglang.bench.aggregate import ratio, summarize_rates
 from bastion_sglang.bench.plan import repeat_order
-from bastion_sglang.bench.report import Spread
+from bastion_sglang.bench.report import Spread, TemperatureSummary
+from bastion_sglang.bench.streaming import latency_percentiles_ms
 from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.engine import ReferenceEngine
 from bastion_sglang.reference.stats import GenerationResult
+from bastion_sglang.timing import synchronize
 
 DEFAULT_PAIR_POLICIES = (
     "ar",
@@ -78,19 +81,15 @@ class PolicyResult(BaseModel):
     decode_tokens_per_second: Spread
 
 
-class TemperatureSummary(BaseModel):
-    """Adaptive against the other policies at one temperature: ratios of medians, and paired per round."""
+class PairSummary(BaseModel):
+    """One temperature: the bench's summary (the best policy in hindsight, adaptive against it and ar, paired
+    per round) and adaptive against the best fixed budget."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float
-    best_policy: str = Field(description="highest median decode tokens/s, in hindsight")
+    rates: TemperatureSummary
     best_fixed_policy: str | None
-    adaptive_vs_best: float | None
     adaptive_vs_best_fixed: float | None
-    adaptive_vs_ar: float | None
-    adaptive_vs_best_per_round: Spread | None
-    adaptive_vs_ar_per_round: Spread | None
 
 
 class PairBenchReport(BaseModel):
@@ -109,19 +108,7 @@ class PairBenchReport(BaseModel):
     repeats: int
     orders: list[list[str]] = Field(description="the policy order of each round")
     results: list[PolicyResult]
-    summaries: list[TemperatureSummary]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+    summaries: list[PairSummary]
 
 
 def _measure_round(
@@ -135,6 +122,7 @@ def _measure_round(
     decode_seconds = sum(walls) - prefill
     decode_tokens = sum(max(len(result.tokens) - 1, 0) for result in results)
     latencies = [step.seconds.total / step.emitted for step in steps for _ in range(step.emitted)]
+    p50, p90 = latency_percentiles_ms(latencies) if latencies else (0.0, 0.0)
     count = max(len(steps), 1)
     errors = [abs(s.predicted_verify_seconds - s.seconds.verify) / s.seconds.verify for s in steps]
     same = None
@@ -152,44 +140,26 @@ def _measure_round(
         mean_verify_ms=1e3 * sum(step.seconds.verify for step in steps) / count,
         mean_draft_ms=1e3 * sum(step.seconds.draft for step in steps) / count,
         verify_prediction_mape=sum(errors) / max(len(errors), 1),
-        token_latency_p50_ms=1e3 * _percentile(latencies, 0.5),
-        token_latency_p90_ms=1e3 * _percentile(latencies, 0.9),
+        token_latency_p50_ms=p50,
+        token_latency_p90_ms=p90,
         same_output_as_ar=same,
     )
 
 
-def summarize(temperature: float, results: Sequence[PolicyResult]) -> TemperatureSummary:
-    """Best policy in hindsight (by median decode tokens/s) and adaptive's ratios to it, the best fixed budget
-    and ar; paired ratios take adaptive's rate over the other's round by round."""
-    by_name = {result.policy: result for result in results if result.temperature == temperature}
-    best = max(by_name.values(), key=lambda r: r.decode_tokens_per_second.median)
-    fixed = [r for r in by_name.values() if r.policy.startswith("fixed:")]
-    best_fixed = max(fixed, key=lambda r: r.decode_tokens_per_second.median) if fixed else None
-    adaptive, ar = by_name.get("adaptive"), by_name.get("ar")
-
-    def ratio(other: PolicyResult | None) -> float | None:
-        if adaptive is None or other is None or other.decode_tokens_per_second.median == 0:
-            return None
-        return adaptive.decode_tokens_per_second.median / other.decode_tokens_per_second.median
-
-    def paired(other: PolicyResult | None) -> Spread | None:
-        if adaptive is None or other is None:
-            return None
-        rates = {r.repeat: r.decode_tokens_per_second for r in other.rounds}
-        ratios = [
-            r.decode_tokens_per_second / rates[r.repeat] for r in adaptive.rounds if rates.get(r.repeat)
-        ]
-        return Spread.of(ratios) if ratios else None
-
-    return TemperatureSummary(
-        temperature=temperature,
-        best_policy=best.policy,
-        best_fixed_policy=best_fixed.policy if best_fixed is not None else None,
-        adaptive_vs_best=ratio(best),
-        adaptive_vs_best_fixed=ratio(best_fixed),
-        adaptive_vs_ar=ratio(ar),
-        adaptive_vs_best_per_round=paired(best),
-        adaptive_vs_ar_per_round=paired(ar),
+def summarize(temperature: float, results: Sequence[PolicyResult]) -> PairSummary:
+    """`bench.aggregate.summarize_rates` over the rounds at `temperature`, and adaptive's median over the
+    best fixed budget's."""
+    here = [result for result in results if result.temperature == temperature]
+    medians = {result.policy: result.decode_tokens_per_second.median for result in here}
+    fixed = [policy for policy in medians if policy.startswith("fixed:")]
+    best_fixed = max(fixed, key=medians.__getitem__) if fixed else None
+    return PairSummary(
+        rates=summarize_rates(
+            temperature,
+            {result.policy: [r.decode_tokens_per_second for r in result.rounds] for result in here},
+        ),
+        best_fixed_policy=best_fixed,
+        adaptive_vs_best_fixed=ratio(medians.get("adaptive"), medians.get(best_fixed or "")),
     )
 
 
@@ -219,11 +189,14 @@ def run_pair_bench(
     if repeats < 1 or not prompts:
         raise ValueError(f"need repeats >= 1 and at least one prompt, got {repeats} and {len(prompts)}")
     device = next(model.parameters()).device
+    drafter = DFlashDrafter.from_pretrained(  # read once: each engine keeps its own draft cache
+        draft_path, device=device, dtype=model.dtype, target_num_layers=int(model.config.num_hidden_layers)
+    )
 
     def engine() -> ReferenceEngine:
         return ReferenceEngine(
             model,
-            draft_path,
+            drafter,
             device=device,
             dtype=model.dtype,
             latency=copy.deepcopy(latency),
@@ -245,14 +218,14 @@ def run_pair_bench(
                 runner = engine()
                 results, walls = [], []
                 for index, prompt in enumerate(prompts):
-                    _synchronize(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     results.append(
                         runner.generate(
                             prompt, max_new_tokens, temperature=temperature, seed=index, policy=policy
                         )
                     )
-                    _synchronize(device)
+                    synchronize(device)
                     walls.append(time.perf_counter() - start)
                 outputs[policy] = (results, walls)
             ar_tokens = [r.tokens for r in outputs["ar"][0]] if "ar" in outputs else None
@@ -313,28 +286,31 @@ def format_table(report: PairBenchReport) -> str:
     token latency p50/p90 of the last round; then the summary line."""
     lines = []
     for summary in report.summaries:
-        lines.append(f"T={summary.temperature:g}  (decode tokens/s, batch 1, {report.repeats} round(s))")
-        for result in (r for r in report.results if r.temperature == summary.temperature):
+        temperature = summary.rates.temperature
+        lines.append(f"T={temperature:g}  (decode tokens/s, batch 1, {report.repeats} round(s))")
+        for result in (r for r in report.results if r.temperature == temperature):
             rate, last = result.decode_tokens_per_second, result.rounds[-1]
             lines.append(
                 f"  {result.policy:>10}: {rate.median:8.2f} [{rate.min:.2f}-{rate.max:.2f}]"
                 f"  tau {last.tau:5.2f}  nodes {last.mean_nodes:6.1f}"
                 f"  p50/p90 {last.token_latency_p50_ms:6.1f}/{last.token_latency_p90_ms:6.1f} ms"
             )
-        lines.append(f"  best {summary.best_policy}; {_ratios(summary)}")
+        lines.append(f"  best {summary.rates.best_policy}; {_ratios(summary)}")
     return "\n".join(lines)
 
 
-def _ratios(summary: TemperatureSummary) -> str:
-    parts = []
-    for label, value in (
-        ("adaptive/best", summary.adaptive_vs_best),
-        (f"adaptive/best fixed ({summary.best_fixed_policy})", summary.adaptive_vs_best_fixed),
-        ("adaptive/ar", summary.adaptive_vs_ar),
-    ):
-        if value is not None:
-            parts.append(f"{label} {value:.3f}")
-    if summary.adaptive_vs_best_per_round is not None:
-        s = summary.adaptive_vs_best_per_round
-        parts.append(f"paired vs best {s.median:.3f} ({s.min:.3f}-{s.max:.3f})")
+def _ratios(summary: PairSummary) -> str:
+    rates = summary.rates
+    parts = [
+        f"{label} {value:.3f}"
+        for label, value in (
+            ("adaptive/best", rates.adaptive_vs_best),
+            (f"adaptive/best fixed ({summary.best_fixed_policy})", summary.adaptive_vs_best_fixed),
+            ("adaptive/ar", rates.adaptive_vs_ar),
+        )
+        if value is not None
+    ]
+    paired = rates.adaptive_vs_best_per_repeat
+    if paired is not None:
+        parts.append(f"paired vs best {paired.median:.3f} ({paired.min:.3f}-{paired.max:.3f})")
     return ", ".join(parts) if parts else "no adaptive run"
