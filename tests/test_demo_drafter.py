@@ -25,12 +25,10 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from calibration_profiles import TRUE_FIT, make_profile, synthetic_samples  # noqa: E402
+from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from bastion_sglang.config import BastionConfig  # noqa: E402
-from bastion_sglang.controller.latency import DecodeFit  # noqa: E402
-from bastion_sglang.controller.profile import save_profile  # noqa: E402
 from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
 from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts  # noqa: E402
 from bastion_sglang.registration import attach_config, make_config  # noqa: E402
@@ -46,10 +44,6 @@ PROMPTS_PER_SET = 4
 MAX_NEW_TOKENS = 48
 CHAIN_TAU_FLOOR = 1.5
 MAX_DRAFTER_BYTES = 25 * 1024 * 1024
-SERVING_FIT = TRUE_FIT.model_copy(
-    update={"beta_fixed": 18e-3, "decode": DecodeFit(beta=17e-3, alpha_attn=1.4)}
-)
-"""A memory-bound serving engine: verify and plain decode cost about the same fixed time at any width."""
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +98,11 @@ def _tau(target: Path, prompts: list[list[int]], name: str, config: BastionConfi
 def taus(
     target: Path, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, float]:
-    gpu_profile = tmp_path_factory.mktemp("profile") / "qwen3-8b-h100.json"
-    save_profile(make_profile(synthetic_samples(SERVING_FIT)), gpu_profile)
+    gpu_profile = save_serving_profile(tmp_path_factory.mktemp("profile") / "qwen3-8b-h100.json")
     configs = {
         "chain": make_config(policy="chain"),
         "fixed:64": make_config(policy="fixed:64"),
-        "adaptive": make_config(policy="adaptive", profile=str(gpu_profile), ema_alpha=1e-6),
+        "adaptive": make_config(policy="adaptive", profile=str(gpu_profile), ema_alpha=SERVING_EMA_ALPHA),
     }
     return {name: _tau(target, prompts, name, config) for name, config in configs.items()}
 

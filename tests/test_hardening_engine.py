@@ -9,7 +9,11 @@ boosted, so long accepted paths happen, and the tests assert they did.
 Engines (each started once, in the module-scoped fixtures, in this order):
 - reference: no speculation, radix cache on, default chunked prefill;
 - BASTION with policies fixed:1, fixed:16 (= N_max; this Engine also runs chunked_prefill_size=4),
-  adaptive, bucketed and chain, radix cache on;
+  adaptive, bucketed and chain, radix cache on. adaptive and bucketed plan with a serving engine's latency
+  profile weighed as 1e6 passes (tests/calibration_profiles.py, SERVING_FIT): their plans then depend on the
+  drafts alone. With this machine's own timings they depend on its load: on a loaded 2-core machine one
+  noisy step can price every tree above plain decoding, so the gate declines for hundreds of steps, which is
+  what the gate is for but leaves nothing here to assert about accepted paths;
 - BASTION fixed:16, chunked_prefill_size=4, radix cache off: the drafter-context control.
 
 What every BASTION Engine runs and what is asserted (token ids exact unless stated):
@@ -45,6 +49,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
 from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import load_records, write_references  # noqa: E402
 
@@ -70,6 +75,7 @@ MID = 48  # new tokens of the mixed, logprob and seeded requests
 N_MAX = 16
 TOPK = 4
 POLICIES = ("fixed:1", f"fixed:{N_MAX}", "adaptive", "bucketed", "chain")
+PLANNED = ("adaptive", "bucketed")  # policies that size trees from the latency model (the serving profile)
 CHUNKED = f"fixed:{N_MAX}"  # the policy Engine that also runs chunked_prefill_size=4
 NO_RADIX = f"fixed:{N_MAX}/no-radix"
 MIN_MEAN_ACCEPT = {
@@ -78,7 +84,7 @@ MIN_MEAN_ACCEPT = {
     # oracle: the 15-deep reference chain is in the tree; >= 12 allows the shorter last step per request
     f"fixed:{N_MAX}": 12.0,
     "chain": 12.0,
-    # the planner picks the budget from the latency model; with the oracle any budget >= 2 accepts >= 3
+    # the planner picks the budget from the serving profile; with the oracle any budget >= 2 accepts >= 3
     "adaptive": 2.5,
     "bucketed": 2.5,
 }
@@ -296,6 +302,7 @@ def bastion(
         for prompt, out in zip(prompts, ref[group], strict=True):
             known[tuple(prompt)] = out["output_ids"]
     recorded = CONVERSATIONS + plan.turn2_prompts
+    profile = save_serving_profile(tmp_path_factory.mktemp("profile") / "serving.json")
     runs: dict[str, BastionRun] = {}
     for name in (*POLICIES, NO_RADIX):
         root = tmp_path_factory.mktemp(name.replace(":", "_").replace("/", "_"))
@@ -308,8 +315,9 @@ def bastion(
             record_prompts=recorded,
         )
         policy = name.split("/")[0]
+        timed = {"profile": str(profile), "ema_alpha": SERVING_EMA_ALPHA} if policy in PLANNED else {}
         config = dataclasses.replace(
-            make_config(max_budget=N_MAX, policy=policy, topk=TOPK),
+            make_config(max_budget=N_MAX, policy=policy, topk=TOPK, **timed),
             draft_proposer="oracle_drafter:make_oracle",
             draft_proposer_arg=str(references),
         )

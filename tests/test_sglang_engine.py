@@ -6,7 +6,9 @@ on two cores); each runs the same requests once and the tests compare what came 
 - T = 0, 8 prompts sent as one batch: token ids identical to the reference for the adaptive, fixed:N and
   chain policies, with a random drafter (mostly rejected trees) and with the test-only oracle drafter
   (tests/oracle_drafter.py, through `BastionConfig.draft_proposer`) whose long accepted paths must
-  average well above one token per verify pass; its decoy variant interleaves wrong siblings with the
+  average well above one token per verify pass (the oracle runs the adaptive policy on a serving engine's
+  latency profile weighed as 1e6 passes, tests/calibration_profiles.py, so its trees do not depend on this
+  machine's load); its decoy variant interleaves wrong siblings with the
   accepted path in the verify row, so only an exact ancestor mask keeps the outputs equal;
 - stop strings, stop token ids (the EOS rule) and max_new_tokens 1, 2, 3 truncate exactly as without
   speculation, also when the stop falls inside an accepted path;
@@ -25,6 +27,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
 from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import write_references  # noqa: E402
 
@@ -174,8 +177,16 @@ def bastion(
             reference.greedy,
             decoy_gap=DECOY_GAP if decoy else None,
         )
+        planned = (
+            {}
+            if decoy
+            else {
+                "profile": str(save_serving_profile(tmp_path_factory.mktemp("profile") / "serving.json")),
+                "ema_alpha": SERVING_EMA_ALPHA,
+            }
+        )
         config = dataclasses.replace(
-            make_config(max_budget=12, policy="fixed:12" if decoy else "adaptive", topk=2),
+            make_config(max_budget=12, policy="fixed:12" if decoy else "adaptive", topk=2, **planned),
             draft_proposer="oracle_drafter:make_oracle",
             draft_proposer_arg=str(references),
         )
