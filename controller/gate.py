@@ -15,7 +15,14 @@ more than a plain step). So before drafting, the caller may pass a `ceiling`: th
 best speculative plan this batch would get if its text were like the last drafted step's
 (`speculation_ceiling`: that step's mean Â curve, re-priced at this batch's contexts and step costs). While
 the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe still runs (the
-text may have become easier), once the steps without drafting reach the refresh interval. A refresh probe
+text may have become easier), once the steps without drafting reach the refresh interval. The ceiling holds
+only as far as the last drafted step's evidence (`DraftedStep`) reaches. A batch with a request that step did
+not draft for gets no ceiling, and the backoff alone decides: on the CPU test pair, the curve of one request's
+last steps (text its drafter could not predict) kept the next batch of 8 fresh requests from drafting for 100
+to 120 steps. And where the draft horizon held the trees back (h < D, `controller.horizon`), the curve is
+raised to what nodes below the horizon could add (`horizon_gain`, `reachable_accept`): after a decline the
+horizon is two positions, and a curve capped at depth 2 kept the gate closed for 50 steps on text the drafter
+predicted 15 tokens deep. A refresh probe
 only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes plainly, so it
 costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps. (Verifying the
 declined tree as well cost about twice that on the 2-core CPU at B = 8.) The refresh interval starts at
@@ -30,16 +37,18 @@ batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backof
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from bastion_sglang.controller.batch_objective import common_width_estimates
 from bastion_sglang.controller.verify_passes import check_contexts
 
 if TYPE_CHECKING:
+    from bastion_sglang.controller.batched import DraftTreeBatch
     from bastion_sglang.controller.latency import LatencyModel
     from bastion_sglang.controller.profile import StepCosts
 
@@ -135,27 +144,76 @@ class SpeculationGate:
         return self._skipped / self._steps if self._steps else 0.0
 
 
+@dataclass(frozen=True)
+class DraftedStep:
+    """What the last drafted step said about its batch's text, for `speculation_ceiling`.
+
+    accept_curve: `BatchPlan.accept_curve`, [N + 1] mean over its requests of the corrected Â(n), n = 0..N;
+    deeper_gain: `horizon_gain` of its trees (0 when the drafter scored every position); requests: the ids
+    of its requests. It says nothing of a request it did not draft for (`covers`)."""
+
+    accept_curve: tuple[float, ...]
+    deeper_gain: float
+    requests: frozenset[str]
+
+    def covers(self, requests: Iterable[str]) -> bool:
+        """Whether every one of `requests` was in the drafted step."""
+        return self.requests.issuperset(requests)
+
+
+def horizon_gain(trees: DraftTreeBatch, horizon: int, depth: int, accept_scale: Sequence[float]) -> float:
+    """Mean over requests of c_i · ρ_i(h): a bound on the corrected gain of any node below the horizon h.
+
+    A node's ρ never grows along its path, so a node below depth h gains at most what the best node at
+    depth h does, c_i · its ρ; when no node at depth h made request i's best-first tree, every one of them
+    ranks below the tree's last node, whose ρ bounds them instead. 0.0 when h = D (nothing below).
+    trees: [B, N] best-first trees within the horizon (N >= 1); horizon: h; depth: D, positions the drafter
+    proposes; accept_scale: [B] c_i."""
+    if horizon >= depth:
+        return 0.0
+    scores = trees.log_scores
+    at_horizon = torch.where(trees.depths == horizon, scores, torch.full_like(scores, -math.inf)).amax(dim=1)
+    bound = torch.where(torch.isinf(at_horizon), scores[:, -1], at_horizon)  # [B] log ρ
+    scale = torch.tensor(list(accept_scale), dtype=torch.float64)
+    return float((scale * torch.exp(bound).cpu()).mean())
+
+
+def reachable_accept(accept_curve: Sequence[float], deeper_gain: float) -> np.ndarray:
+    """[N + 1] the most Â(n) trees of n nodes could reach when nodes below the horizon add up to
+    `deeper_gain` each: max over m <= n of Â(m) + (n - m) · deeper_gain (m nodes within the horizon, the rest
+    deeper), never above 1 + n. Equal to `accept_curve` when deeper_gain is 0."""
+    curve = np.asarray(accept_curve, dtype=np.float64)
+    nodes = np.arange(curve.shape[0], dtype=np.float64)
+    best = np.maximum.accumulate(curve - nodes * deeper_gain) + nodes * deeper_gain
+    return np.minimum(best, 1.0 + nodes)
+
+
 def speculation_ceiling(
-    accept_curve: Sequence[float], contexts: Sequence[int], latency: LatencyModel, costs: StepCosts
+    accept_curve: Sequence[float],
+    contexts: Sequence[int],
+    latency: LatencyModel,
+    costs: StepCosts,
+    deeper_gain: float = 0.0,
 ) -> SpeculationCeiling:
     """The best speculative plan of this batch if its text is like the last drafted step's: the highest
     Â(n) · L_AR / Ĉ(n) over n >= 1, every request verifying n nodes (SGLang's common width), and what a
     refresh probe of this batch costs (`SpeculationCeiling`).
 
     accept_curve: `BatchPlan.accept_curve` of the last drafted step, [N + 1] mean over its requests of the
-    corrected Â(n), n = 0..N (N >= 1); contexts: [B] cached tokens per request now; costs: this step's
-    StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a common width, so
-    for the same trees, contexts and costs this is the speculative speedup `plan_batch` reports for the
-    adaptive policy (the first drop of a unimodal curve) and bounds every policy's: both price through
-    `batch_objective.common_width_estimates`, one latency prediction over the N candidate widths. ValueError
-    for an empty batch or a curve without a node.
+    corrected Â(n), n = 0..N (N >= 1), raised to `reachable_accept` with deeper_gain (`horizon_gain` of that
+    step: trees the horizon held back may reach further); contexts: [B] cached tokens per request now; costs:
+    this step's StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a
+    common width, so for the same trees, contexts and costs (deeper_gain 0) this is the speculative speedup
+    `plan_batch` reports for the adaptive policy (the first drop of a unimodal curve) and bounds every
+    policy's: both price through `batch_objective.common_width_estimates`, one latency prediction over the N
+    candidate widths. ValueError for an empty batch or a curve without a node.
     """
     if not contexts:
         raise ValueError("speculation_ceiling needs a batch of at least one request")
     if len(accept_curve) < 2:
         raise ValueError(f"speculation_ceiling needs Â(n) for n = 0..N with N >= 1, got {list(accept_curve)}")
     nodes = np.arange(1, len(accept_curve), dtype=np.int64)
-    committed = len(contexts) * np.asarray(accept_curve[1:], dtype=np.float64)  # Σ_i Â_i(n) at the mean
+    committed = len(contexts) * reachable_accept(accept_curve, deeper_gain)[1:]  # Σ_i Â_i(n) at the mean
     estimates = common_width_estimates(committed, nodes, check_contexts(contexts), latency, costs)
     return SpeculationCeiling(
         speedup=float(estimates.speedup.max()), refresh_steps=(costs.t_draft + costs.t_aux) / costs.l_ar

@@ -10,6 +10,7 @@ So the head scores positions 1..h only, and the tree search sees a [B, h, K] lat
 the planner chose (`DraftHorizon.observe`, with d the deepest planned node of the step, 0 for a plain plan):
 - d < h: the horizon did not bind; h becomes clamp(2·d, min_horizon, D), room to grow by half again.
 - d = h: the plan used the last scored position and may have wanted deeper ones; h doubles (at most D).
+  While h < D the speculation gate bounds what deeper nodes would add (`controller.gate.horizon_gain`).
 It starts at `start` (at most D): a first pass on easy text binds and reaches D within two more passes
 (4, 8, 15), and a first pass where speculation does not pay costs a quarter of the head. The trees are the
 best trees within the horizon, so a step after a sudden rise in depth plans a shallower tree than it could

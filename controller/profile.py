@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import (
     AwareDatetime,
@@ -96,18 +97,34 @@ class StepCosts(BaseModel):
         description="host and device work outside the forwards that grows with the verify tokens of the "
         "pass (mask, accept walk, logits processing), seconds per token",
     )
+    aux_token_span: int | None = Field(
+        default=None,
+        ge=1,
+        description="most verify tokens the per-token work was measured at: a pass with more is priced at "
+        "this many (an online fit extrapolated past its points is noise; None: no limit)",
+    )
 
     def cycle_seconds(
-        self, verify_seconds: float | torch.Tensor, verify_tokens: int | torch.Tensor
-    ) -> float | torch.Tensor:
-        """Ĉ = T_draft + T_aux + t_aux_per_token · tokens + T_verify (BASTION eq. 7 with the per-token work).
+        self,
+        verify_seconds: float | np.ndarray | torch.Tensor,
+        verify_tokens: int | np.ndarray | torch.Tensor,
+    ) -> float | np.ndarray | torch.Tensor:
+        """Ĉ = T_draft + T_aux + t_aux_per_token · tokens + T_verify (BASTION eq. 7 with the per-token work),
+        tokens capped at aux_token_span.
 
-        verify_seconds: predicted verify seconds (float or [M] tensor); verify_tokens: tokens the pass holds
-        over the whole batch (int or [M] tensor, broadcast with verify_seconds). Returns seconds, same kind.
+        verify_seconds: predicted verify seconds (float, [M] array or tensor); verify_tokens: tokens the pass
+        holds over the whole batch (int, [M] array or tensor, broadcast with verify_seconds). Returns seconds,
+        same kind.
         """
+        span = self.aux_token_span
         if isinstance(verify_tokens, torch.Tensor):
             verify_tokens = verify_tokens.to(torch.float64)
-        return self.t_draft + self.t_aux + self.t_aux_per_token * verify_tokens + verify_seconds
+            priced = verify_tokens if span is None else verify_tokens.clamp(max=span)
+        elif isinstance(verify_tokens, np.ndarray):
+            priced = verify_tokens if span is None else np.minimum(verify_tokens, span)
+        else:
+            priced = verify_tokens if span is None else min(verify_tokens, span)
+        return self.t_draft + self.t_aux + self.t_aux_per_token * priced + verify_seconds
 
 
 class CalibrationProfile(BaseModel):

@@ -11,6 +11,14 @@ pair), so it is a line in B as well, and the planner prices the batch it plans.
 `StepCostTracker` fits both lines, (T_aux, t_aux_per_token) over tokens and (T_draft at B = 0, seconds per
 request) over B, by exponentially weighted least squares on recent drafted steps, the slope kept >= 0 (a
 negative slope, which noise can produce when x barely varies, falls back to slope 0 and the weighted mean).
+
+The aux line prices no further than its points reach (`StepCosts.aux_token_span`, the most tokens of any
+point, the prior's included): a pass with more tokens is priced at that many. Its slope comes from whatever
+token counts the steps so far verified, often a narrow range (one request, trees of 4 to 16 nodes), where a
+noisy step tilts it steeply; extrapolated to a batch of 8 such trees, it priced every tree above plain
+decoding on a loaded 2-core machine (0.5 ms per token fitted at 5..16 tokens, 0.04 ms measured at 128), and
+the gate, which measures costs only on drafted steps, then skipped the drafter for most of 512 steps. Priced
+at the span, the wider pass is tried when its other costs pay, and its measured step extends the span.
 A prior (a profile's measured costs, T_draft measured at B = 1) enters the sums as `prior_weight`
 pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at PRIOR_BATCHES) that decay like measured
 ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a
@@ -37,6 +45,7 @@ the costs are the prior's (zeros without one: a drafted step is then priced at i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +72,7 @@ class DecayingLine:
     """y ≈ intercept + slope · x by exponentially weighted least squares, slope >= 0 (module docstring).
 
     Weighted sums of 1, x, x², y and x·y; `decay` scales them all, `add` puts one weighted point in.
+    x_max: the largest x put in so far (0.0 before any point).
     """
 
     w: float = 0.0
@@ -70,6 +80,7 @@ class DecayingLine:
     xx: float = 0.0
     y: float = 0.0
     xy: float = 0.0
+    x_max: float = 0.0  # the largest x of any point put in, whatever its weight now
 
     def decay(self, factor: float) -> None:
         self.w, self.x, self.xx = factor * self.w, factor * self.x, factor * self.xx
@@ -81,6 +92,7 @@ class DecayingLine:
         self.xx += weight * x * x
         self.y += weight * y
         self.xy += weight * x * y
+        self.x_max = max(self.x_max, x)
 
     def fit(self) -> tuple[float, float]:
         """(intercept, slope); (0, 0) before any point. A slope <= 0 gives (weighted mean, 0); an intercept
@@ -164,10 +176,21 @@ class StepCostTracker:
         intercept, per_request = self._draft.fit()
         return intercept + per_request * batch
 
+    def aux_token_span(self) -> int | None:
+        """The most verify tokens of any point of the aux line, the prior's included; None before any."""
+        return math.ceil(self._aux.x_max) if self._aux.w > 0 else None
+
     def costs(self, l_ar: float, batch: int = 1) -> StepCosts:
-        """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds."""
+        """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds. The
+        per-token work is priced no further than `aux_token_span` (module docstring)."""
         t_aux, per_token = self.aux_line()
-        return StepCosts(t_draft=self.draft_seconds(batch), t_aux=t_aux, l_ar=l_ar, t_aux_per_token=per_token)
+        return StepCosts(
+            t_draft=self.draft_seconds(batch),
+            t_aux=t_aux,
+            l_ar=l_ar,
+            t_aux_per_token=per_token,
+            aux_token_span=self.aux_token_span(),
+        )
 
 
 def draft_seconds_per_request(

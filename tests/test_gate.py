@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
-from bastion_sglang.controller.gate import SpeculationCeiling, SpeculationGate, speculation_ceiling
+from bastion_sglang.controller.gate import (
+    DraftedStep,
+    SpeculationCeiling,
+    SpeculationGate,
+    horizon_gain,
+    reachable_accept,
+    speculation_ceiling,
+)
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
@@ -233,3 +240,59 @@ def test_the_plan_reports_the_mean_corrected_accept_curve() -> None:
         trees, [10, 10], model, costly, AdaptivePolicy(), accept_scale=[1.0, 2.0], allow_plain=True
     )
     assert not declined.speculates and declined.accept_curve == pytest.approx(expected)
+
+
+def test_horizon_gain_bounds_every_node_below_the_horizon() -> None:
+    """Trees planned within a horizon h < D: the bound is at least c_i · ρ of the best node of the whole
+    lattice below depth h (brute force over every node), and is exactly c_i · ρ of the best node at depth h
+    when that node made the tree; at h = D there is nothing below."""
+    generator = torch.Generator().manual_seed(5)
+    depth, branching, horizon = 5, 3, 2
+    for budget, scale in ((4, 1.0), (12, 0.5), (2, 2.0), (1, 1.0)):
+        for _ in range(20):
+            logits = 2 * torch.randn(1, depth, 64, generator=generator, dtype=torch.float64)
+            top = torch.log_softmax(logits, -1).topk(branching, -1)
+            whole = build_trees(top.values, top.indices, 3 + 9 + 27 + 81 + 243)  # every node of the lattice
+            below = whole.log_scores[whole.depths > horizon].max().exp().item()
+            trees = build_trees(top.values[:, :horizon], top.indices[:, :horizon], budget)
+            gain = horizon_gain(trees, horizon, depth, [scale])
+            assert gain >= scale * below * (1 - 1e-12)
+            at_horizon = trees.log_scores[trees.depths == horizon]
+            if at_horizon.numel():
+                assert gain == pytest.approx(scale * at_horizon.max().exp().item(), rel=1e-12)
+            else:
+                assert gain == pytest.approx(scale * trees.log_scores[0, -1].exp().item(), rel=1e-12)
+            assert horizon_gain(trees, horizon, horizon, [scale]) == 0.0
+
+
+def test_horizon_gain_is_the_mean_over_requests() -> None:
+    logprobs = torch.log(
+        torch.tensor([[[0.5, 0.25], [0.5, 0.5]], [[0.1, 0.1], [1.0, 0.0]]], dtype=torch.float64)
+    )
+    trees = build_trees(logprobs, torch.tensor([[[1, 2], [3, 4]], [[1, 2], [3, 4]]]), 3)
+    assert horizon_gain(trees, 2, 15, [1.0, 2.0]) == pytest.approx((0.25 + 2 * 0.1) / 2)
+
+
+def test_reachable_accept_adds_what_nodes_below_the_horizon_could_give() -> None:
+    """max over m <= n of Â(m) + (n - m) · g, at most 1 + n; the curve itself when g = 0."""
+    curve = (1.0, 1.9, 2.0, 2.05)
+    assert reachable_accept(curve, 0.0).tolist() == pytest.approx(curve)
+    assert reachable_accept(curve, 0.5).tolist() == pytest.approx([1.0, 1.9, 2.4, 2.9])
+    assert reachable_accept(curve, 1.0).tolist() == pytest.approx([1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_curve_held_back_by_the_horizon_raises_the_ceiling() -> None:
+    """A curve capped at depth 2 (Â stays at 3) prices speculation below plain decoding when the drafter costs
+    3 plain steps; with what a chain of deeper accepted nodes could add, the ceiling is above one."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    l_ar = model.predict_plain_batch([100] * 8)
+    costs = StepCosts(t_draft=3 * l_ar, t_aux=0.0, l_ar=l_ar)
+    capped = (1.0, 2.0, 3.0) + (3.0,) * 13
+    assert speculation_ceiling(capped, [100] * 8, model, costs).speedup < 1.0
+    assert speculation_ceiling(capped, [100] * 8, model, costs, deeper_gain=1.0).speedup > 1.0
+
+
+def test_a_drafted_step_covers_only_its_own_requests() -> None:
+    step = DraftedStep((1.0, 2.0), 0.0, frozenset({"a", "b"}))
+    assert step.covers(["a"]) and step.covers(["b", "a"]) and step.covers([])
+    assert not step.covers(["a", "c"])

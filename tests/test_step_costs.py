@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from pydantic import ValidationError
 
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, HardwareSpec, RooflineModel, lookup_gpu
-from bastion_sglang.controller.step_costs import StepCostTracker, draft_seconds_per_request
+from bastion_sglang.controller.step_costs import PRIOR_TOKENS, StepCostTracker, draft_seconds_per_request
 
 
 def test_recovers_a_line_in_the_verify_tokens() -> None:
@@ -44,7 +46,9 @@ def test_falling_cost_never_gives_a_negative_slope() -> None:
 def test_prior_counts_as_pseudo_steps() -> None:
     prior = StepCosts(t_draft=0.5, t_aux=0.25, l_ar=1.0, t_aux_per_token=0.125)
     tracker = StepCostTracker(prior=prior, decay=0.9, prior_weight=10.0)
-    assert tracker.costs(l_ar=0.2) == StepCosts(t_draft=0.5, t_aux=0.25, l_ar=0.2, t_aux_per_token=0.125)
+    assert tracker.costs(l_ar=0.2) == StepCosts(
+        t_draft=0.5, t_aux=0.25, l_ar=0.2, t_aux_per_token=0.125, aux_token_span=PRIOR_TOKENS
+    )
     for _ in range(200):
         tracker.observe(0.01, 0.01, 4)
     assert tracker.costs(l_ar=0.2).t_draft == pytest.approx(0.01, rel=1e-3)  # the measurements took over
@@ -145,3 +149,33 @@ def test_warmup_steps_are_left_out() -> None:
     assert with_prior.costs(l_ar=0.05, batch=6).t_draft == pytest.approx(0.01)
     with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
         StepCostTracker(warmup_steps=-1)
+
+
+def test_aux_work_is_priced_no_further_than_the_measured_tokens() -> None:
+    """A slope fitted at 5..16 tokens (one request) by noisy steps prices a batch of 8 such trees (128 tokens)
+    at the most tokens measured; a step measured at 128 tokens extends the span, after which 128 tokens cost
+    what the line says there."""
+    tracker = StepCostTracker(decay=0.95)
+    for tokens, seconds in ((5, 0.001), (16, 0.0065), (9, 0.003), (16, 0.006)):
+        tracker.observe(0.02, seconds, tokens)
+    t_aux, per_token = tracker.aux_line()
+    assert per_token > 3e-4  # the noise's steep slope
+    costs = tracker.costs(l_ar=0.01)
+    assert costs.aux_token_span == 16
+    wide = float(costs.cycle_seconds(0.03, 128))
+    assert wide == pytest.approx(0.02 + t_aux + per_token * 16 + 0.03)
+    many = costs.cycle_seconds(np.array([0.03, 0.03]), np.array([8, 128]))
+    assert many == pytest.approx([0.02 + t_aux + per_token * 8 + 0.03, wide])
+    tensor = costs.cycle_seconds(torch.tensor([0.03, 0.03], dtype=torch.float64), torch.tensor([8, 128]))
+    assert tensor.tolist() == pytest.approx(many.tolist())
+    tracker.observe(0.02, 0.008, 128, 8)
+    assert tracker.costs(l_ar=0.01).aux_token_span == 128
+    t_aux, per_token = tracker.aux_line()
+    assert tracker.costs(l_ar=0.01).cycle_seconds(0.0, 128) == pytest.approx(0.02 + t_aux + per_token * 128)
+
+
+def test_aux_token_span_is_none_before_any_point_and_rejects_zero() -> None:
+    assert StepCostTracker().costs(l_ar=0.01).aux_token_span is None
+    assert StepCostTracker().costs(l_ar=0.01).cycle_seconds(0.01, 10**6) == pytest.approx(0.01)
+    with pytest.raises(ValidationError, match="aux_token_span"):
+        StepCosts(t_draft=0.0, t_aux=0.0, l_ar=0.01, aux_token_span=0)
