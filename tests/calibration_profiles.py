@@ -90,6 +90,13 @@ def make_profile(samples: list[LatencySample] | None = None, **metadata: Any) ->
     )
 
 
+def serving_plan_flags(folder: Path) -> dict[str, Any]:
+    """`make_config` keyword arguments that plan on the SERVING_FIT profile (written into `folder`) weighed
+    as 1 / SERVING_EMA_ALPHA passes: plans that depend on the drafts alone."""
+    profile = save_serving_profile(folder / "serving.json")
+    return {"profile": str(profile), "ema_alpha": SERVING_EMA_ALPHA}
+
+
 def save_serving_profile(path: Path) -> Path:
     """Write the SERVING_FIT profile (a verify pass costs about a plain decode step, 18 ms vs 17 ms, nearly
     the same from 1 to a few hundred tokens; the drafter 2 ms) to `path`; returns `path`."""

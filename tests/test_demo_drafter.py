@@ -25,7 +25,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
+from calibration_profiles import serving_plan_flags  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from bastion_sglang.config import BastionConfig  # noqa: E402
@@ -98,11 +98,10 @@ def _tau(target: Path, prompts: list[list[int]], name: str, config: BastionConfi
 def taus(
     target: Path, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, float]:
-    gpu_profile = save_serving_profile(tmp_path_factory.mktemp("profile") / "qwen3-8b-h100.json")
     configs = {
         "chain": make_config(policy="chain"),
         "fixed:64": make_config(policy="fixed:64"),
-        "adaptive": make_config(policy="adaptive", profile=str(gpu_profile), ema_alpha=SERVING_EMA_ALPHA),
+        "adaptive": make_config(policy="adaptive", **serving_plan_flags(tmp_path_factory.mktemp("profile"))),
     }
     return {name: _tau(target, prompts, name, config) for name, config in configs.items()}
 

@@ -49,7 +49,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
+from calibration_profiles import serving_plan_flags  # noqa: E402
 from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import load_records, write_references  # noqa: E402
 
@@ -302,7 +302,7 @@ def bastion(
         for prompt, out in zip(prompts, ref[group], strict=True):
             known[tuple(prompt)] = out["output_ids"]
     recorded = CONVERSATIONS + plan.turn2_prompts
-    profile = save_serving_profile(tmp_path_factory.mktemp("profile") / "serving.json")
+    serving = serving_plan_flags(tmp_path_factory.mktemp("profile"))
     runs: dict[str, BastionRun] = {}
     for name in (*POLICIES, NO_RADIX):
         root = tmp_path_factory.mktemp(name.replace(":", "_").replace("/", "_"))
@@ -315,7 +315,7 @@ def bastion(
             record_prompts=recorded,
         )
         policy = name.split("/")[0]
-        timed = {"profile": str(profile), "ema_alpha": SERVING_EMA_ALPHA} if policy in PLANNED else {}
+        timed = serving if policy in PLANNED else {}
         config = dataclasses.replace(
             make_config(max_budget=N_MAX, policy=policy, topk=TOPK, **timed),
             draft_proposer="oracle_drafter:make_oracle",

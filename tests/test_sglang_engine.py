@@ -27,7 +27,7 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from calibration_profiles import SERVING_EMA_ALPHA, save_serving_profile  # noqa: E402
+from calibration_profiles import serving_plan_flags  # noqa: E402
 from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, first_difference, make_model_pair  # noqa: E402
 from oracle_drafter import write_references  # noqa: E402
 
@@ -177,14 +177,7 @@ def bastion(
             reference.greedy,
             decoy_gap=DECOY_GAP if decoy else None,
         )
-        planned = (
-            {}
-            if decoy
-            else {
-                "profile": str(save_serving_profile(tmp_path_factory.mktemp("profile") / "serving.json")),
-                "ema_alpha": SERVING_EMA_ALPHA,
-            }
-        )
+        planned = {} if decoy else serving_plan_flags(tmp_path_factory.mktemp("profile"))
         config = dataclasses.replace(
             make_config(max_budget=12, policy="fixed:12" if decoy else "adaptive", topk=2, **planned),
             draft_proposer="oracle_drafter:make_oracle",
