@@ -49,7 +49,13 @@ from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
-from bastion_sglang.controller.gate import DraftedStep, SpeculationGate, horizon_gain, speculation_ceiling
+from bastion_sglang.controller.gate import (
+    DraftedStep,
+    DraftEvidence,
+    SpeculationGate,
+    horizon_gain,
+    speculation_ceiling,
+)
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.policies import plain_plan, plan_batch
@@ -325,7 +331,7 @@ class BastionWorker(DFlashWorkerV2):
         depth = block_size - 1
         self._horizon = DraftHorizon(depth) if self.config.policy.may_decline else DraftHorizon.full(depth)
         self._deferred_context = DeferredDraftContext()  # drafter KV rows of steps that skipped the drafter
-        self._drafted: DraftedStep | None = None  # what the last drafted step said of its text
+        self._evidence = DraftEvidence()  # what the recent drafted steps said of their text
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         self._metrics = (
             BastionMetrics(scheduler_metric_labels())
@@ -406,15 +412,10 @@ class BastionWorker(DFlashWorkerV2):
         l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         drafting = True
         if self.config.policy.may_decline and self._rank_sync.leads:
-            drafted = self._drafted
-            ceiling = (
-                None
-                if drafted is None or not drafted.covers(req.rid for req in batch.reqs)
-                else lambda: speculation_ceiling(
-                    drafted.accept_curve, contexts, self.latency, costs, drafted.deeper_gain
-                )
+            curve = self._evidence.curve_for(req.rid for req in batch.reqs)
+            drafting = self._gate.should_draft(
+                None if curve is None else lambda: speculation_ceiling(curve, contexts, self.latency, costs)
             )
-            drafting = self._gate.should_draft(ceiling)
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
         horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
         top: kernels.DraftTopK | None = None
@@ -449,10 +450,12 @@ class BastionWorker(DFlashWorkerV2):
                     allow_plain=not self._gate.verifies_probe,
                 )
                 self._gate.record(plan.speculative_speedup)
-                self._drafted = DraftedStep(
-                    plan.accept_curve,
-                    horizon_gain(trees, horizon, self._horizon.depth, scales),
-                    frozenset(req.rid for req in batch.reqs),
+                self._evidence.record(
+                    DraftedStep(
+                        plan.accept_curve,
+                        horizon_gain(trees, horizon, self._horizon.depth, scales),
+                        frozenset(req.rid for req in batch.reqs),
+                    )
                 )
                 local_rows = kernels.flatten_trees(trees, bonus_tokens, plan.width)
             # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree

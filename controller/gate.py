@@ -8,35 +8,36 @@ speculation still does not pay, the backoff doubles, up to `max_backoff`; as soo
 beats plain decoding, every step drafts again and the backoff returns to `min_backoff`. A batch that
 shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps. Such a
 backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction sees
-fresh evidence and a correction that has grown too pessimistic cannot keep speculation off for good.
+fresh evidence. (The correction also forgets its evidence over decode steps that verify nothing,
+`AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1,
 more than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the
-best speculative plan this batch would get if its text were like the last drafted step's
-(`speculation_ceiling`: that step's mean Â curve, re-priced at this batch's contexts and step costs). While
+best speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`:
+the last drafted step's mean Â curve when it drafted for every request of the batch, else the mean curve of
+the recent drafted steps; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While
 the ceiling is at most 1, a probe the backoff asks for is skipped too; only a refresh probe still runs (the
-text may have become easier), once the steps without drafting reach the refresh interval. The ceiling holds
-only as far as the last drafted step's evidence (`DraftedStep`) reaches. A batch with a request that step did
-not draft for gets no ceiling, and the backoff alone decides: on the CPU test pair, the curve of one request's
-last steps (text its drafter could not predict) kept the next batch of 8 fresh requests from drafting for 100
-to 120 steps. And where the draft horizon held the trees back (h < D, `controller.horizon`), the curve is
-raised to what nodes below the horizon could add (`horizon_gain`, `reachable_accept`): after a decline the
-horizon is two positions, and a curve capped at depth 2 kept the gate closed for 50 steps on text the drafter
-predicted 15 tokens deep. A refresh probe
-only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes plainly, so it
-costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps. (Verifying the
-declined tree as well cost about twice that on the 2-core CPU at B = 8.) The refresh interval starts at
-`max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to `max_refresh`, and
-returns to `max_backoff` after any probe that pays. It is also never shorter than refresh_steps /
-`probe_share`, which keeps the expected cost of refreshes at `probe_share` of the decode time (1 %) as far
-as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8) refreshes wait at
-least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff` decides. When the
-batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's probes run again.
+text may have become easier), once the steps without drafting reach the refresh interval. Where the draft
+horizon held the trees back (h < D, `controller.horizon`), the curve is raised to what nodes below the
+horizon could add (`horizon_gain`, `reachable_accept`): after a decline the horizon is two positions, and a
+curve capped at depth 2 kept the gate closed for 50 steps on text the drafter predicted 15 tokens deep.
+
+A refresh probe only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes
+plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps.
+(Verifying the declined tree as well cost about twice that on the 2-core CPU at B = 8.) The refresh interval
+starts at `max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to
+`max_refresh`, and returns to `max_backoff` after any probe that pays. It is also never shorter than
+refresh_steps / `probe_share`, which keeps the expected cost of refreshes at `probe_share` of the decode time
+(1 %) as far as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8)
+refreshes wait at least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff`
+decides. When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's probes
+run again.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -146,11 +147,11 @@ class SpeculationGate:
 
 @dataclass(frozen=True)
 class DraftedStep:
-    """What the last drafted step said about its batch's text, for `speculation_ceiling`.
+    """What one drafted step said about its batch's text, for `speculation_ceiling`.
 
     accept_curve: `BatchPlan.accept_curve`, [N + 1] mean over its requests of the corrected Â(n), n = 0..N;
     deeper_gain: `horizon_gain` of its trees (0 when the drafter scored every position); requests: the ids
-    of its requests. It says nothing of a request it did not draft for (`covers`)."""
+    of its requests (`covers`)."""
 
     accept_curve: tuple[float, ...]
     deeper_gain: float
@@ -159,6 +160,54 @@ class DraftedStep:
     def covers(self, requests: Iterable[str]) -> bool:
         """Whether every one of `requests` was in the drafted step."""
         return self.requests.issuperset(requests)
+
+    def reachable(self, nodes: int) -> np.ndarray:
+        """[nodes + 1] `reachable_accept` of the step's curve, n = 0..nodes; past the curve's own N a node
+        adds deeper_gain at most (or nothing when 0), never beyond 1 + n."""
+        curve = reachable_accept(self.accept_curve, self.deeper_gain)
+        extra = np.arange(1, nodes + 2 - curve.shape[0], dtype=np.float64)
+        longer = np.concatenate([curve, curve[-1] + extra * self.deeper_gain])[: nodes + 1]
+        return np.minimum(longer, 1.0 + np.arange(nodes + 1, dtype=np.float64))
+
+
+RECENT_DRAFTED_STEPS = 16
+"""Drafted steps whose curves `DraftEvidence` averages for requests the last drafted step did not cover."""
+
+
+class DraftEvidence:
+    """The Â curve a batch's ceiling prices (`speculation_ceiling`), from the recent drafted steps.
+
+    A batch whose requests were all in the last drafted step gets that step's curve (its own text, as last
+    seen), raised to what nodes below the draft horizon could add (`reachable_accept`). A batch with a request
+    the last drafted step did not draft for (a request that just arrived, or a batch whose make-up changed
+    since) gets the mean of the last `capacity` drafted steps' raised curves: a request is expected to read
+    like the recent ones. Without that expectation every new request was a probe (a drafter pass and a
+    verified tree): on the 2-core CPU demo pair at concurrency 1, with 64-token requests, about one probe per
+    request, 2-3 % of decode time where speculation never paid. The mean over several steps, not the last
+    one, keeps one request's unpredictable tail from vetoing the requests after it (on the CPU test pair the
+    last steps of one request past its oracle's reference had kept the next batch of 8 fresh requests from
+    drafting for 100 to 120 steps). Nothing is known before the first drafted step (None).
+    """
+
+    def __init__(self, capacity: int = RECENT_DRAFTED_STEPS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._steps: deque[DraftedStep] = deque(maxlen=capacity)
+
+    def record(self, step: DraftedStep) -> None:
+        """A drafted step's evidence (the oldest beyond `capacity` is forgotten)."""
+        self._steps.append(step)
+
+    def curve_for(self, requests: Iterable[str]) -> np.ndarray | None:
+        """[N + 1] the raised Â curve for a batch of `requests` (ids), N the longest recent curve's; None
+        before any drafted step."""
+        if not self._steps:
+            return None
+        last = self._steps[-1]
+        nodes = max(len(step.accept_curve) for step in self._steps) - 1
+        if last.covers(requests):
+            return last.reachable(len(last.accept_curve) - 1)
+        return np.mean([step.reachable(nodes) for step in self._steps], axis=0)
 
 
 def horizon_gain(trees: DraftTreeBatch, horizon: int, depth: int, accept_scale: Sequence[float]) -> float:
@@ -193,17 +242,16 @@ def speculation_ceiling(
     contexts: Sequence[int],
     latency: LatencyModel,
     costs: StepCosts,
-    deeper_gain: float = 0.0,
 ) -> SpeculationCeiling:
     """The best speculative plan of this batch if its text is like the last drafted step's: the highest
     Â(n) · L_AR / Ĉ(n) over n >= 1, every request verifying n nodes (SGLang's common width), and what a
     refresh probe of this batch costs (`SpeculationCeiling`).
 
-    accept_curve: `BatchPlan.accept_curve` of the last drafted step, [N + 1] mean over its requests of the
-    corrected Â(n), n = 0..N (N >= 1), raised to `reachable_accept` with deeper_gain (`horizon_gain` of that
-    step: trees the horizon held back may reach further); contexts: [B] cached tokens per request now; costs:
+    accept_curve: [N + 1] mean over requests of the corrected Â(n), n = 0..N (N >= 1): a drafted step's
+    `BatchPlan.accept_curve`, or `DraftEvidence.curve_for` the batch (raised to what trees the horizon held
+    back could reach); contexts: [B] cached tokens per request now; costs:
     this step's StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a
-    common width, so for the same trees, contexts and costs (deeper_gain 0) this is the speculative speedup
+    common width, so for the same trees, contexts and costs this is the speculative speedup
     `plan_batch` reports for the adaptive policy (the first drop of a unimodal curve) and bounds every
     policy's: both price through `batch_objective.common_width_estimates`, one latency prediction over the N
     candidate widths. ValueError for an empty batch or a curve without a node.
@@ -213,7 +261,7 @@ def speculation_ceiling(
     if len(accept_curve) < 2:
         raise ValueError(f"speculation_ceiling needs Â(n) for n = 0..N with N >= 1, got {list(accept_curve)}")
     nodes = np.arange(1, len(accept_curve), dtype=np.int64)
-    committed = len(contexts) * reachable_accept(accept_curve, deeper_gain)[1:]  # Σ_i Â_i(n) at the mean
+    committed = len(contexts) * np.asarray(accept_curve, dtype=np.float64)[1:]  # Σ_i Â_i(n) at the mean
     estimates = common_width_estimates(committed, nodes, check_contexts(contexts), latency, costs)
     return SpeculationCeiling(
         speedup=float(estimates.speedup.max()), refresh_steps=(costs.t_draft + costs.t_aux) / costs.l_ar

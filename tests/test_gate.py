@@ -11,6 +11,7 @@ import torch
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
 from bastion_sglang.controller.gate import (
     DraftedStep,
+    DraftEvidence,
     SpeculationCeiling,
     SpeculationGate,
     horizon_gain,
@@ -289,10 +290,51 @@ def test_a_curve_held_back_by_the_horizon_raises_the_ceiling() -> None:
     costs = StepCosts(t_draft=3 * l_ar, t_aux=0.0, l_ar=l_ar)
     capped = (1.0, 2.0, 3.0) + (3.0,) * 13
     assert speculation_ceiling(capped, [100] * 8, model, costs).speedup < 1.0
-    assert speculation_ceiling(capped, [100] * 8, model, costs, deeper_gain=1.0).speedup > 1.0
+    raised = reachable_accept(capped, 1.0)
+    assert speculation_ceiling(raised, [100] * 8, model, costs).speedup > 1.0
 
 
 def test_a_drafted_step_covers_only_its_own_requests() -> None:
     step = DraftedStep((1.0, 2.0), 0.0, frozenset({"a", "b"}))
     assert step.covers(["a"]) and step.covers(["b", "a"]) and step.covers([])
     assert not step.covers(["a", "c"])
+
+
+def test_a_drafted_steps_curve_reaches_past_its_own_nodes_by_its_deeper_gain() -> None:
+    """Past its N a step's raised curve adds deeper_gain per node (flat when 0), never above 1 + n."""
+    assert DraftedStep((1.0, 1.5), 0.0, frozenset()).reachable(3).tolist() == [1.0, 1.5, 1.5, 1.5]
+    assert DraftedStep((1.0, 1.5), 0.5, frozenset()).reachable(3).tolist() == [1.0, 1.5, 2.0, 2.5]
+    assert DraftedStep((1.0, 2.0), 1.0, frozenset()).reachable(2).tolist() == [1.0, 2.0, 3.0]
+    assert DraftedStep((1.0, 1.9, 2.0), 0.5, frozenset()).reachable(1).tolist() == [1.0, 1.9]
+
+
+def test_evidence_prices_a_covered_batch_on_the_last_step_and_new_requests_on_the_recent_mean() -> None:
+    evidence = DraftEvidence(capacity=3)
+    assert evidence.curve_for(["a"]) is None  # nothing drafted yet
+    evidence.record(DraftedStep((1.0, 1.9, 2.7), 0.0, frozenset({"a"})))
+    evidence.record(DraftedStep((1.0, 2.0), 0.5, frozenset({"b"})))
+    evidence.record(DraftedStep((1.0, 1.0, 1.0), 0.0, frozenset({"a", "b"})))
+    assert evidence.curve_for(["b", "a"]).tolist() == [1.0, 1.0, 1.0]  # the last step's own requests
+    mean = [1.0, (1.9 + 2.0 + 1.0) / 3, (2.7 + 2.5 + 1.0) / 3]
+    assert evidence.curve_for(["a", "c"]).tolist() == pytest.approx(mean)  # "c": the recent steps' mean
+    evidence.record(DraftedStep((1.0, 1.8, 2.4), 0.0, frozenset({"d"})))  # the first step is forgotten
+    assert evidence.curve_for(["c"]).tolist() == pytest.approx([1.0, 4.8 / 3, 5.9 / 3])
+    with pytest.raises(ValueError, match="capacity"):
+        DraftEvidence(capacity=0)
+
+
+def test_one_requests_unpredictable_tail_does_not_veto_the_next_requests() -> None:
+    """Twelve drafted steps of text predicted 15 deep, then four of one request's tail the drafter cannot
+    predict: that request's own batch is priced below plain decoding, a batch of new requests above it."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    l_ar = model.predict_plain_batch([300] * 8)
+    costs = StepCosts(t_draft=l_ar, t_aux=0.0, l_ar=l_ar)
+    evidence = DraftEvidence(capacity=16)
+    predicted = tuple(float(min(n, 15)) + 1.0 for n in range(17))
+    for _ in range(12):
+        evidence.record(DraftedStep(predicted, 0.0, frozenset({"old"})))
+    for _ in range(4):
+        evidence.record(DraftedStep((1.0,) + (1.02,) * 16, 0.0, frozenset({"old"})))
+    assert speculation_ceiling(evidence.curve_for(["old"]), [300], model, costs).speedup < 1.0
+    fresh = evidence.curve_for([f"new{i}" for i in range(8)])
+    assert speculation_ceiling(fresh, [300] * 8, model, costs).speedup > 1.0
