@@ -408,13 +408,14 @@ class BastionWorker(DFlashWorkerV2):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
         greedy = [is_greedy(req) for req in batch.reqs]
-        costs = self._step_costs(contexts)
         l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         drafting = True
         if self.config.policy.may_decline and self._rank_sync.leads:
             curve = self._evidence.curve_for(req.rid for req in batch.reqs)
             drafting = self._gate.should_draft(
-                None if curve is None else lambda: speculation_ceiling(curve, contexts, self.latency, costs)
+                None
+                if curve is None
+                else lambda: speculation_ceiling(curve, contexts, self.latency, self._step_costs(contexts))
             )
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
         horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
@@ -442,7 +443,7 @@ class BastionWorker(DFlashWorkerV2):
                     trees,
                     contexts,
                     self.latency,
-                    costs,
+                    self._step_costs(contexts),
                     self.config.policy,
                     accept_scale=scales,
                     # a backoff probe verifies its tree whatever the estimate, so the acceptance correction

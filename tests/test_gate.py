@@ -116,6 +116,23 @@ def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
     assert low.calls == 8 + 3
 
 
+def test_a_vetoing_ceiling_is_asked_once_per_backoff_period() -> None:
+    gate = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=1024, probe_share=CHEAP_PROBES)
+    assert [step for step, draft in enumerate(drafted_steps(gate, 0.5, 40)) if draft][-1] == 37
+    low = Ceiling(0.5)
+    asks = []
+    for step in range(40, 100):
+        calls = low.calls
+        draft = gate.should_draft(low)
+        if draft:
+            gate.record(0.5)
+        if low.calls > calls:
+            asks.append((step, draft))
+    # 8 skipped steps after each failed probe and each veto; refreshes after 8, 16, then 32 steps without
+    # drafting (the doubling interval), each at an ask
+    assert asks == [(46, True), (55, False), (63, True), (72, False), (80, False), (88, False), (96, True)]
+
+
 def test_failed_refreshes_stretch_the_refresh_interval_up_to_max_refresh() -> None:
     gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16, probe_share=CHEAP_PROBES)
     drafted = drafted_steps(gate, 0.6, 120, Ceiling(0.5))
@@ -151,7 +168,9 @@ def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
     probes = probes_after_a_failed_plan(
         SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=512, probe_share=0.01)
     )
-    assert probes[:4] == [150, 301, 452, 603]  # 150 steps without drafting before each
+    # 150 steps without drafting before the first two; once failed refreshes have doubled the backoff to 8,
+    # the ceiling is asked every 8 steps, and the refresh comes at the first ask past 150 steps (152)
+    assert probes[:4] == [150, 301, 454, 607]
     capped = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=64, probe_share=0.01)
     assert probes_after_a_failed_plan(capped)[:3] == [64, 129, 194]
     cheap = Ceiling(0.5, refresh_steps=0.015)  # 2 steps at 1 %, under max_backoff
