@@ -26,6 +26,7 @@ fills the drafter KV from the prompt) is inherited from SGLang's `DFlashWorkerV2
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -409,13 +410,15 @@ class BastionWorker(DFlashWorkerV2):
 
         greedy = [is_greedy(req) for req in batch.reqs]
         l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
+        # priced once, and only when a ceiling or a plan needs them (most steps that skip the drafter do not)
+        step_costs = functools.cache(functools.partial(self._step_costs, contexts))
         drafting = True
         if self.config.policy.may_decline and self._rank_sync.leads:
             curve = self._evidence.curve_for(req.rid for req in batch.reqs)
             drafting = self._gate.should_draft(
                 None
                 if curve is None
-                else lambda: speculation_ceiling(curve, contexts, self.latency, self._step_costs(contexts))
+                else lambda: speculation_ceiling(curve, contexts, self.latency, step_costs())
             )
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
         horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
@@ -443,7 +446,7 @@ class BastionWorker(DFlashWorkerV2):
                     trees,
                     contexts,
                     self.latency,
-                    self._step_costs(contexts),
+                    step_costs(),
                     self.config.policy,
                     accept_scale=scales,
                     # a backoff probe verifies its tree whatever the estimate, so the acceptance correction

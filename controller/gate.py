@@ -252,15 +252,15 @@ def speculation_ceiling(
     latency: LatencyModel,
     costs: StepCosts,
 ) -> SpeculationCeiling:
-    """The best speculative plan of this batch if its text is like the last drafted step's: the highest
+    """The best speculative plan of this batch if its text reads as `accept_curve` says: the highest
     Â(n) · L_AR / Ĉ(n) over n >= 1, every request verifying n nodes (SGLang's common width), and what a
     refresh probe of this batch costs (`SpeculationCeiling`).
 
     accept_curve: [N + 1] mean over requests of the corrected Â(n), n = 0..N (N >= 1): a drafted step's
     `BatchPlan.accept_curve`, or `DraftEvidence.curve_for` the batch (raised to what trees the horizon held
-    back could reach); contexts: [B] cached tokens per request now; costs:
-    this step's StepCosts (T_draft priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a
-    common width, so for the same trees, contexts and costs this is the speculative speedup
+    back could reach); contexts: [B] cached tokens per request now; costs: this step's StepCosts (T_draft
+    priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a common width, so for the same
+    trees, contexts and costs this is the speculative speedup
     `plan_batch` reports for the adaptive policy (the first drop of a unimodal curve) and bounds every
     policy's: both price through `batch_objective.common_width_estimates`, one latency prediction over the N
     candidate widths. ValueError for an empty batch or a curve without a node.
