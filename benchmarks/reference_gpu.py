@@ -40,6 +40,7 @@ import transformers
 from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
 
+from bastion_sglang.config import default_width_buckets
 from bastion_sglang.controller import AdaptivePolicy, build_tree, build_trees
 from bastion_sglang.controller.latency import (
     FitReport,
@@ -50,6 +51,7 @@ from bastion_sglang.controller.latency import (
     evaluate_fit,
     fit_latency,
     validate_leave_out,
+    validate_width_buckets,
 )
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
@@ -223,6 +225,7 @@ def run_latency(
     widths: Sequence[int],
     contexts: Sequence[int],
     repeats: int,
+    width_buckets: Sequence[int] | None,
 ) -> tuple[LatencyReport, LatencyModel]:
     config = target.model.config.to_dict()
     shape = ModelShape.from_hf_config(config)
@@ -242,7 +245,7 @@ def run_latency(
         in_sample=evaluate_fit(roofline, fit, samples),
         leave_out=validate_leave_out(roofline, samples),
     )
-    return report, LatencyModel(roofline, fit)
+    return report, LatencyModel(roofline, fit, width_buckets=width_buckets)
 
 
 def run_planner(
@@ -370,6 +373,15 @@ def write(out: Path, name: str, report: BaseModel) -> None:
     print(f"wrote {path}")
 
 
+def parse_width_buckets(spec: str | None, max_nodes: int, device: torch.device) -> tuple[int, ...] | None:
+    """--width-buckets: None (the default) gives the worker's buckets on CUDA and none elsewhere."""
+    if spec is None:
+        return default_width_buckets(max_nodes) if device.type == "cuda" else None
+    if spec.strip().lower() == "none":
+        return None
+    return validate_width_buckets([int(value) for value in spec.split(",") if value.strip()], lowest=2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -397,6 +409,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--keep-eos", action="store_true", help="stop at EOS (default: every request decodes all its tokens)"
     )
     parser.add_argument("--max-nodes", type=int, default=1024, help="tree budget cap of the adaptive policy")
+    parser.add_argument(
+        "--width-buckets",
+        help="comma-separated verify widths (root included) that passes are padded to, as the worker's CUDA "
+        "graphs run them, or 'none'; default: the worker's (2, 4, .., N_max + 1) on CUDA, none on a CPU",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per latency point")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for the roofline (default: by device name)")
     parser.add_argument("--bandwidth", type=float, help="bytes/s for the roofline (default: by device name)")
@@ -418,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_new_tokens, prompt_count = args.max_new_tokens, args.num_prompts
         policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     temperatures = tuple(float(value) for value in args.temperatures.split(",") if value.strip())
+    width_buckets = parse_width_buckets(args.width_buckets, args.max_nodes, device)
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.target is not None:
@@ -436,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             else default_target_layer_ids(model.config.num_hidden_layers, 5)
         )
         latency_report, latency = run_latency(
-            TargetModel(model, layers), environment, source, widths, contexts, repeats
+            TargetModel(model, layers), environment, source, widths, contexts, repeats, width_buckets
         )
         write(args.out, "latency.json", latency_report)
         fit_errors = latency_report.in_sample

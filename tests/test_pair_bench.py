@@ -63,6 +63,7 @@ def test_every_policy_does_the_same_lossless_work_in_williams_order(
         on_round=seen.append,
     )
     assert [r.repeats for r in seen] == [1, 1, 2, 2]
+    assert report.width_buckets == [2, 4, 8, 16, 32, 64]  # the passes' padding, as the latency model's
     assert report.orders == [list(repeat_order(list(policies), 0)), list(repeat_order(list(policies), 1))]
     assert report.orders[0] != report.orders[1]
     assert len(report.results) == len(policies) * 2

@@ -265,6 +265,27 @@ def test_tree_forward_equals_a_naive_rerun_of_every_branch(target: Target) -> No
         torch.testing.assert_close(out.features[node], expected, rtol=TREE_TOL, atol=TREE_TOL)
 
 
+@pytest.mark.parametrize(("policy", "bucket"), [("fixed:1", 2), ("fixed:8", 16), ("fixed:16", 32)])
+def test_verify_passes_run_at_their_width_bucket(
+    target: Target, policy: str, bucket: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass of W = n + 1 real rows runs padded to the smallest bucket >= W; the tokens stay plain's."""
+    engine = engine_for(target, target.drafter_path)
+    forward = engine.target.forward
+    widths: list[int] = []
+
+    def recording_forward(cache, tokens, positions, visible, last_logits_only=False):  # type: ignore[no-untyped-def]
+        widths.append(int(tokens.shape[0]))
+        return forward(cache, tokens, positions, visible, last_logits_only)
+
+    monkeypatch.setattr(engine.target, "forward", recording_forward)
+    result = engine.generate(list(target.prompts[1]), DRAFTER_NEW_TOKENS, policy=policy)
+    assert tuple(result.tokens) == target.references[1][:DRAFTER_NEW_TOKENS]
+    prompt_len = len(target.prompts[1])  # the prefill, then one pass per step
+    assert result.steps and widths == [prompt_len] + [bucket] * len(result.steps)
+    assert all(step.width == int(policy.split(":")[1]) + 1 for step in result.steps)
+
+
 def test_kv_cache_after_steps_equals_a_plain_forward_of_the_committed_tokens(target: Target) -> None:
     engine = engine_for(
         target, OracleProposer(target.sequences(), target.model.config.vocab_size, corrupt_depth=4)

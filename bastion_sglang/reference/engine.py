@@ -6,7 +6,10 @@ token at position ctx:
 1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
 2. plan: `build_trees_auto` (best-first, up to the budget), `plan_batch` (the worker's batch planner, at
    B = 1) picks n, `flatten_trees` and `build_verify_layout` give the W = n + 1 verify rows;
-3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask;
+3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask; with width
+   buckets (as the worker runs its captured graphs) the rows are padded to the bucket W_v >= W
+   (`graph_buckets.pad_verify_rows`), so a GPU sees the same few pass shapes every step instead of a new
+   one per W, and only the W real rows' logits and features are read;
 4. accept: greedy walk at temperature 0, else the sampling walk on the target's processed distribution;
    the accepted rows move to the front of the tree block and the cache is cut to ctx + accepted + 1;
    the accepted tokens and the bonus are emitted; the accepted positions' target features go to the
@@ -38,6 +41,7 @@ from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, Rooflin
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker
 from bastion_sglang.draft_protocols import DraftInput, DraftSource
 from bastion_sglang.drafter_config import check_drafter_fits
+from bastion_sglang.graph_buckets import pad_verify_rows
 from bastion_sglang.kernels import (
     accept_greedy,
     accept_sampling,
@@ -220,6 +224,10 @@ class ReferenceEngine:
         cap = policy.topk_cap if policy.topk_cap is not None else MAX_TOPK
         return budget, min(cap, MAX_TOPK, budget, self.vocab_size)
 
+    def _verify_width(self, nodes: int) -> int:
+        """W_v: the width a verify pass of `nodes` draft nodes (and the root) runs at: its width bucket."""
+        return self.latency.padded_width(nodes + 1)
+
     def _costs_now(self, ctx_len: int) -> StepCosts:
         if self.step_costs is not None:
             return self.step_costs
@@ -290,7 +298,7 @@ class ReferenceEngine:
             policy=budget_policy,
             budget=budget,
             topk=topk,
-            cache=self.target.new_cache(prompt_len + max_new_tokens + budget + 1),
+            cache=self.target.new_cache(prompt_len + max_new_tokens + self._verify_width(budget)),
             uniforms=uniforms,
         )
         if budget_policy is not None and self.proposer is not None:
@@ -355,17 +363,19 @@ class ReferenceEngine:
             trees = build_trees_auto(logprobs, proposal.token_ids, state.budget)
             plan = plan_batch(trees, [ctx], self.latency, self._costs_now(ctx), policy)  # host sync: scores
             nodes, expected = plan.node_counts[0], plan.expected_accept[0]
-            rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], nodes + 1)
-            layout = build_verify_layout(rows, ctx_tensor)
+            width = nodes + 1
+            rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], width)
+            padded = pad_verify_rows(rows, build_verify_layout(rows, ctx_tensor), self._verify_width(nodes))
         with timer.stage("verify"):
             out = self.target.forward(
-                state.cache, rows.tokens[0], layout.positions[0], layout.ancestor_mask[0]
+                state.cache, padded.tokens[0], padded.positions[0], padded.ancestor_mask[0]
             )
         with timer.stage("accept"):
+            logits = out.logits[:width]
             if state.uniforms is None:
-                result = accept_greedy(rows, out.logits[None])
+                result = accept_greedy(rows, logits[None])
             else:
-                probs = state.sampling.probs(out.logits)
+                probs = state.sampling.probs(logits)
                 uniforms = state.uniforms[len(state.output) + rows.depths]  # [1, W]: by output index
                 result = accept_sampling(rows, probs[None], uniforms)
             state.cache.move_rows(accepted_kv_moves(result.accept_index, result.accept_length, ctx_tensor))
@@ -379,7 +389,6 @@ class ReferenceEngine:
             if out.features is not None:
                 state.new_features = out.features[result.accept_index[0, : accepted + 1]]
         seconds = timer.finish()
-        width = nodes + 1
         predicted = self.latency.predict(width, ctx)
         self.latency.observe(width, ctx, seconds.verify)
         self._costs.observe(seconds.draft, seconds.aux, tokens=width)

@@ -103,6 +103,7 @@ class PairBenchReport(BaseModel):
     max_new_tokens: int
     ignore_eos: bool
     max_nodes: int
+    width_buckets: list[int] | None = Field(description="verify widths passes were padded to; None: unpadded")
     policies: list[str]
     temperatures: list[float]
     repeats: int
@@ -233,7 +234,7 @@ def run_pair_bench(
                 rounds[(policy, temperature)].append(_measure_round(repeat, results, walls, ar_tokens))
             report = _report(
                 rounds, orders, policies, temperatures, repeat, prompts, target_name, draft_path,
-                max_new_tokens, max_nodes, ignore_eos,
+                max_new_tokens, max_nodes, latency.width_buckets, ignore_eos,
             )  # fmt: skip
             if on_round is not None:
                 on_round(report)
@@ -252,6 +253,7 @@ def _report(
     draft_path: Path,
     max_new_tokens: int,
     max_nodes: int,
+    width_buckets: tuple[int, ...] | None,
     ignore_eos: bool,
 ) -> PairBenchReport:
     results = [
@@ -272,6 +274,7 @@ def _report(
         max_new_tokens=max_new_tokens,
         ignore_eos=ignore_eos,
         max_nodes=max_nodes,
+        width_buckets=None if width_buckets is None else list(width_buckets),
         policies=list(policies),
         temperatures=list(temperatures),
         repeats=repeats_done,
