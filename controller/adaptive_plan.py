@@ -12,6 +12,10 @@ while building only what it needs:
    nodes, ... from the exact builder of `fast_tree`, each checked exactly, until one holds the first drop
    or all N_max nodes.
 
+A latency model with width buckets makes Ĉ a step function, so Ŝ is not unimodal: the policy then takes the
+maximum of Ŝ over every n (`batch_objective.adaptive_stop`), and `plan_adaptive` builds all N_max nodes with
+the exact builder to find it (no early stop).
+
 Why n* is the same. (a) The first m nodes of the heap's order do not depend on the budget once it is >= m,
 and the heap and the exact builder give the same nodes in the same order with the same float64 scores; so a
 prefix of m nodes holds the full tree's first m scores, bit for bit. (b) The exact check forms Â as
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bastion_sglang.controller.batch_objective import first_drop
+from bastion_sglang.controller.batch_objective import adaptive_stop, first_drop
 from bastion_sglang.controller.batched import lattice_size
 from bastion_sglang.controller.fast_tree import (
     HostNodes,
@@ -106,6 +110,10 @@ def plan_adaptive(
     n_max = lattice_size(*values.shape, budget)
     if n_max == 0:
         nodes = best_first_nodes(values, 0)
+    elif latency.width_buckets is not None:
+        nodes = _peak_of_all(
+            values.astype(np.float64), _CycleCurve(n_max, ctx_len, latency, costs), n_max, costs.l_ar
+        )
     else:
         cycle = _CycleCurve(n_max, ctx_len, latency, costs)
         nodes = _heap_until_drop(values, cycle, n_max, costs.l_ar)
@@ -183,6 +191,15 @@ def _chunks_until_drop(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar
         if size == n_max:
             return nodes
         size = min(n_max, CHUNK_GROWTH * size)
+
+
+def _peak_of_all(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: float) -> HostNodes:
+    """The first n* best-first nodes where the latency model pads to width buckets: Ŝ is then not unimodal and
+    its maximum over every n decides (`batch_objective.adaptive_stop`), so all N_max nodes are built first.
+    lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds."""
+    nodes = best_first_nodes(lattice, n_max)
+    accept = 1.0 + np.add.accumulate(np.exp(nodes.scores))
+    return nodes.head(adaptive_stop(accept * l_ar / cycle.cover(n_max), stepped=True) + 1)
 
 
 def _first_drop_within(scores: np.ndarray, cycle: np.ndarray, l_ar: float) -> int | None:

@@ -56,6 +56,15 @@ def first_drop(values: np.ndarray) -> int:
     return first if drops[first] else values.shape[0] - 1
 
 
+def adaptive_stop(speedup: np.ndarray, stepped: bool) -> int:
+    """Index of the Ŝ value [M] the adaptive rule stops at: its first drop (`first_drop`) when Ĉ is convex in
+    the width, so Ŝ is unimodal and its first drop is its maximum (Proposition 2.4); its first maximiser when
+    `stepped`, i.e. the latency model pads passes to width buckets: Ĉ is then a step function, Ŝ drops at
+    every bucket edge and rises again inside the next bucket, and the first drop would stop at the first
+    edge."""
+    return int(np.argmax(speedup)) if stepped else first_drop(speedup)
+
+
 @dataclass(frozen=True)
 class PlanEstimates:
     """Estimates of M candidate plans of one batch."""
@@ -138,8 +147,9 @@ class BatchObjective:
     def greedy_walk(self) -> np.ndarray:
         """Per-request counts [B] int64 of the greedy ragged plan: nodes are handed out one at a time by
         corrected gain c_i·ρ_ij across requests (row-major on ties), from n = 0 for every request, until Ŝ
-        first drops (exact for a sum of concave Â_i at any total). Every step of the walk is evaluated at
-        once; requests are padded to the widest where the latency model has width buckets."""
+        first drops (exact for a sum of concave Â_i at any total), or where it peaks when the latency model
+        has width buckets (`adaptive_stop`; requests are then padded to the widest). Every step of the walk
+        is evaluated at once."""
         batch, available = self.log_scores.shape
         if available == 0:
             return np.zeros(batch, dtype=np.int64)
@@ -162,7 +172,7 @@ class BatchObjective:
             widest = np.maximum.accumulate(np.concatenate(([1], ranks + 2)))
             passes = VerifyPasses.common(self.latency.padded_widths(widest), self.contexts)
         walk = self._estimates(committed, passes, batch + taken)
-        stop = first_drop(walk.speedup)
+        stop = adaptive_stop(walk.speedup, stepped=self.latency.width_buckets is not None)
         return np.bincount(rows[:stop], minlength=batch).astype(np.int64)
 
     def _estimates(self, committed: np.ndarray, passes: VerifyPasses, tokens: np.ndarray) -> PlanEstimates:

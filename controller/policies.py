@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from bastion_sglang.controller.batch_objective import BatchObjective, accept_curves, first_drop
+from bastion_sglang.controller.batch_objective import BatchObjective, accept_curves, adaptive_stop
 from bastion_sglang.controller.latency import validate_width_buckets
 
 if TYPE_CHECKING:
@@ -160,8 +160,10 @@ class AdaptivePolicy:
     """BASTION's rule: grow the best-first tree while Ŝ(n) rises; stop at its first drop.
 
     For a batch with one common width: the first drop of Σ_i Â_i(n) / Ĉ(n) over n = 1..N (a sum of concave
-    curves over a convex cost, so unimodal), every n priced by one latency prediction. Without a common width:
-    the greedy walk of `BatchObjective.greedy_walk`.
+    curves over a convex cost, so unimodal), every n priced by one latency prediction; when the latency model
+    pads passes to width buckets (CUDA graphs), Ĉ is a step function and the rule takes the maximum of Ŝ over
+    every n instead (`batch_objective.adaptive_stop`). Without a common width: the greedy walk of
+    `BatchObjective.greedy_walk`.
     """
 
     @property
@@ -185,7 +187,8 @@ class AdaptivePolicy:
         if available == 0:
             return (0,) * objective.batch_size
         speedup = objective.common(np.arange(1, available + 1)).speedup
-        return (first_drop(speedup) + 1,) * objective.batch_size
+        stop = adaptive_stop(speedup, stepped=objective.latency.width_buckets is not None)
+        return (stop + 1,) * objective.batch_size
 
     def choose(self, log_scores: torch.Tensor, ctx_len: int, latency: LatencyModel, costs: StepCosts) -> int:
         return _choose_one(self, log_scores, ctx_len, latency, costs)
@@ -198,8 +201,9 @@ class BucketedAdaptivePolicy:
     A verify pass padded to a captured CUDA-graph width costs the same whatever fills it, so the nodes
     that fill a paid bucket are free. For each bucket w (tokens per request) the tree holds
     n = min(w - 1, N) nodes and costs Ĉ at the bucket it is padded to; the largest Ŝ wins (the smaller n on a
-    tie). Within one bucket the cost is flat and Â rises, so this is the argmax of Ŝ over every n when the
-    latency model has the same buckets: never below the first-drop rule on step-function costs.
+    tie). Within one bucket the verify cost is flat and Â rises, so with no per-token step cost this is the
+    adaptive policy's choice on the same buckets (the argmax of Ŝ over every n) from len(buckets) estimates
+    instead of N.
     The latency model must be built with these width buckets (it does the padding).
     """
 

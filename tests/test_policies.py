@@ -18,6 +18,7 @@ from bastion_sglang.controller import (
     parse_policy,
     plan_batch,
 )
+from bastion_sglang.controller.batch_objective import first_drop
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.policies import expected_accept_curve, speedup_curve
 from bastion_sglang.controller.profile import StepCosts
@@ -65,28 +66,29 @@ def test_first_drop_is_the_argmax_under_concave_accept_and_convex_cost(seed: int
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("ctx", [64, 2048])
-def test_bucketed_is_never_below_first_drop_on_step_costs(seed: int, ctx: int) -> None:
+def test_adaptive_and_bucketed_take_the_maximum_on_step_costs(seed: int, ctx: int) -> None:
     scores = draft_scores(100 + seed, sharpness=0.5 + seed)
     model = latency(BUCKETS)
     brute = speedups(scores, ctx, model)
-    first_drop = AdaptivePolicy().choose(scores, ctx, model, COSTS)
+    adaptive = AdaptivePolicy().choose(scores, ctx, model, COSTS)
     bucketed = BucketedAdaptivePolicy(BUCKETS[1:]).choose(scores, ctx, model, COSTS)
-    assert float(brute[bucketed - 1]) >= float(brute[first_drop - 1])
+    assert adaptive == int(brute.argmax()) + 1
     assert float(brute[bucketed - 1]) == pytest.approx(float(brute.max()), rel=1e-12)
     assert bucketed + 1 in BUCKETS or bucketed == scores.shape[0]
 
 
-def test_bucketed_strictly_beats_first_drop_somewhere() -> None:
-    """A step cost is not convex: the first drop can stop inside a cheap plateau that a later bucket beats."""
+def test_the_first_drop_stops_early_on_step_costs() -> None:
+    """A step cost is not convex: Ŝ's first drop can lie inside a cheap plateau that a later bucket beats,
+    which is why the adaptive policy takes the maximum there."""
     model = latency(BUCKETS)
-    wins = 0
+    early = 0
     for seed in range(20):
         scores = draft_scores(200 + seed, sharpness=0.5 + seed / 4)
         brute = speedups(scores, 1024, model)
-        first_drop = AdaptivePolicy().choose(scores, 1024, model, COSTS)
-        bucketed = BucketedAdaptivePolicy(BUCKETS[1:]).choose(scores, 1024, model, COSTS)
-        wins += float(brute[bucketed - 1]) > float(brute[first_drop - 1]) * (1 + 1e-9)
-    assert wins > 0
+        stop = first_drop(brute.numpy())
+        early += float(brute.max()) > float(brute[stop]) * (1 + 1e-9)
+        assert AdaptivePolicy().choose(scores, 1024, model, COSTS) == int(brute.argmax()) + 1
+    assert early > 0
 
 
 def test_fixed_and_chain() -> None:
