@@ -260,9 +260,9 @@ def speculation_ceiling(
     `BatchPlan.accept_curve`, or `DraftEvidence.curve_for` the batch (raised to what trees the horizon held
     back could reach); contexts: [B] cached tokens per request now; costs: this step's StepCosts (T_draft
     priced at this batch size). Ĉ(n) is priced as `plan_batch` prices a common width, so for the same
-    trees, contexts and costs this is the speculative speedup
-    `plan_batch` reports for the adaptive policy (the first drop of a unimodal curve) and bounds every
-    policy's: both price through `batch_objective.common_width_estimates`, one latency prediction over the N
+    trees, contexts and costs this is the speculative speedup `plan_batch` reports for the adaptive policy
+    (the first drop of a unimodal curve; with width buckets, the maximum itself) and bounds every policy's:
+    both price through `batch_objective.common_width_estimates`, one latency prediction over the N
     candidate widths. ValueError for an empty batch or a curve without a node.
     """
     if not contexts:
