@@ -110,15 +110,14 @@ def plan_adaptive(
     n_max = lattice_size(*values.shape, budget)
     if n_max == 0:
         nodes = best_first_nodes(values, 0)
-    elif latency.width_buckets is not None:
-        nodes = _peak_of_all(
-            values.astype(np.float64), _CycleCurve(n_max, ctx_len, latency, costs), n_max, costs.l_ar
-        )
     else:
         cycle = _CycleCurve(n_max, ctx_len, latency, costs)
-        nodes = _heap_until_drop(values, cycle, n_max, costs.l_ar)
-        if nodes is None:
-            nodes = _chunks_until_drop(values.astype(np.float64), cycle, n_max, costs.l_ar)
+        if latency.width_buckets is not None:
+            nodes = _peak_of_all(values.astype(np.float64), cycle, n_max, costs.l_ar)
+        else:
+            nodes = _heap_until_drop(values, cycle, n_max, costs.l_ar)
+            if nodes is None:
+                nodes = _chunks_until_drop(values.astype(np.float64), cycle, n_max, costs.l_ar)
     return nodes.to_tree(host_token_ids(token_ids), logprobs.device)
 
 
@@ -198,14 +197,19 @@ def _peak_of_all(lattice: np.ndarray, cycle: _CycleCurve, n_max: int, l_ar: floa
     its maximum over every n decides (`batch_objective.adaptive_stop`), so all N_max nodes are built first.
     lattice: [D, K] float64 host log-probs; n_max >= 1; l_ar: seconds."""
     nodes = best_first_nodes(lattice, n_max)
-    accept = 1.0 + np.add.accumulate(np.exp(nodes.scores))
-    return nodes.head(adaptive_stop(accept * l_ar / cycle.cover(n_max), stepped=True) + 1)
+    return nodes.head(adaptive_stop(_speedups(nodes.scores, cycle.cover(n_max), l_ar), stepped=True) + 1)
 
 
 def _first_drop_within(scores: np.ndarray, cycle: np.ndarray, l_ar: float) -> int | None:
     """n* if Ŝ first drops before the prefix's last node, else None. scores: [m] float64 log ρ of the first m
-    best-first nodes; cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds. Ŝ is formed as
-    `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ."""
-    accept = 1.0 + np.add.accumulate(np.exp(scores))  # Â(1..m): the values of `accept_curves` (a cumsum)
-    drop = first_drop(accept * l_ar / cycle)
+    best-first nodes; cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step, seconds."""
+    drop = first_drop(_speedups(scores, cycle, l_ar))
     return drop + 1 if drop < scores.shape[0] - 1 else None
+
+
+def _speedups(scores: np.ndarray, cycle: np.ndarray, l_ar: float) -> np.ndarray:
+    """Ŝ(1..m) [m] float64 as `BatchObjective.common` forms it at B = 1: Â · L_AR / Ĉ. scores: [m] float64
+    log ρ of the first m best-first nodes; cycle: [m] float64 Ĉ(1..m), seconds; l_ar: plain decode step,
+    seconds."""
+    accept = 1.0 + np.add.accumulate(np.exp(scores))  # Â(1..m): the values of `accept_curves` (a cumsum)
+    return accept * l_ar / cycle
