@@ -435,7 +435,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_new_tokens, prompt_count = args.max_new_tokens, args.num_prompts
         policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     temperatures = tuple(float(value) for value in args.temperatures.split(",") if value.strip())
-    width_buckets = parse_width_buckets(args.width_buckets, args.max_nodes, device)
+    try:
+        width_buckets = parse_width_buckets(args.width_buckets, args.max_nodes, device)
+    except ValueError as error:
+        parser.error(f"--width-buckets {args.width_buckets!r}: {error}")
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.target is not None:
