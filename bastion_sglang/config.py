@@ -60,8 +60,7 @@ class BastionConfig:
         (the seam tests use for an oracle drafter). None: the drafter's logits as they are.
     overlap: whether BASTION may run under SGLang's overlap scheduler (`--bastion-overlap-schedule on`).
         False (the default): `--disable-overlap-schedule` is switched on. True: SGLang's own
-        `--disable-overlap-schedule` decides, and requests with output penalties are refused (their state
-        would lag one step; see the architecture page, "Overlap scheduling").
+        `--disable-overlap-schedule` decides (see the architecture page, "Overlap scheduling").
     """
 
     max_budget: int = DEFAULT_MAX_BUDGET

@@ -142,8 +142,7 @@ FLAGS: tuple[_Flag, ...] = (
         "on|off",
         "BASTION: off (default): run without overlap scheduling (--disable-overlap-schedule is switched on); "
         "on: let SGLang's overlap scheduler prepare the next batch while a step runs (then "
-        "--disable-overlap-schedule decides; requests with frequency, presence or repetition penalties or "
-        "min_new_tokens are refused, their state would lag one step).",
+        "--disable-overlap-schedule decides); every request parameter acts as without it.",
     ),
 )
 
@@ -250,9 +249,9 @@ def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bo
     error = original(req, enable_overlap)
     if error is not None or not _serving_bastion():
         return error
-    from bastion_sglang.request_support import unsupported_parameter, unsupported_under_overlap
+    from bastion_sglang.request_support import unsupported_parameter
 
-    return unsupported_parameter(req) or (unsupported_under_overlap(req) if enable_overlap else None)
+    return unsupported_parameter(req)
 
 
 def _serving_bastion() -> bool:

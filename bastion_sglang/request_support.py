@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bastion_sglang.request_penalties import has_output_penalty
-
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
@@ -50,20 +48,6 @@ def unsupported_parameter(req: Req) -> str | None:
     for refused, name, reason in refusals:
         if refused:
             return f"{REFUSAL_PREFIX} {name} ({reason}); send it to a server without speculation"
-    return None
-
-
-def unsupported_under_overlap(req: Req) -> str | None:
-    """The refusal message for a request whose output under the overlap scheduler would differ from its
-    output without it, or None: an output penalty (frequency, presence, repetition, min_new_tokens). A tree
-    step penalises each node for the output so far (`request_penalties`), which the worker reads from the
-    request; under overlap scheduling the request holds the output only up to the step before the previous
-    one, so the penalties would miss that step's tokens."""
-    if has_output_penalty(req):
-        return (
-            f"{REFUSAL_PREFIX} output penalties under overlap scheduling (their state would lag one step); "
-            "send it to a server started with --bastion-overlap-schedule off"
-        )
     return None
 
 

@@ -79,7 +79,12 @@ from bastion_sglang.metrics import (
     scheduler_metric_labels,
 )
 from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
-from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
+from bastion_sglang.request_penalties import (
+    RecentOutputs,
+    has_output_penalty,
+    output_penalties,
+    sglang_penalty_order,
+)
 from bastion_sglang.sglang_adapter import (
     CaptureHiddenMode,
     DFlashWorkerV2,
@@ -288,6 +293,7 @@ class BastionWorker(DFlashWorkerV2):
         self._sampling_backend = str(get_exec().kernel.sampling_backend)  # resolved by SGLang's server args
         kernels.filter_rule(self._sampling_backend, False, False)  # refuses a backend it cannot reproduce
         self._penalty_order = sglang_penalty_order()
+        self._recent_outputs = RecentOutputs()  # what the requests' output_ids lack under overlap scheduling
         group = scheduler_group()  # None with one TP rank
         self._rank_sync = RankSync(group)
         self._draft_head = DraftHead.of(target_worker.model_runner.model.lm_head, self._vocab_size, group)
@@ -377,8 +383,10 @@ class BastionWorker(DFlashWorkerV2):
             self._last_decode_end = None  # the next decode step does not follow a decode step
             self._write_context(self._deferred_context.take())
             result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+            prefill_tokens = result.next_token_ids.to(torch.int64)
+            self._recent_outputs.record(batch.reqs, prefill_tokens[:, None], torch.ones_like(prefill_tokens))
             result.next_draft_input = BastionDraftInput(
-                bonus_tokens=result.next_token_ids.to(torch.int64),
+                bonus_tokens=prefill_tokens,
                 new_seq_lens=batch.seq_lens.to(torch.int64),
                 seeds=torch.tensor(
                     [self._seed_for(req) for req in batch.reqs], dtype=torch.int64, device=self.device
@@ -507,8 +515,9 @@ class BastionWorker(DFlashWorkerV2):
             next_logits = real_rows(logits_output.next_token_logits, bs, width)[:, : self._vocab_size]
             next_logits = next_logits.contiguous()
             sampling_info = batch.sampling_info
-            penalties = output_penalties(batch.reqs, self._vocab_size, next_logits.device)
-            if penalties is not None:
+            if any(has_output_penalty(req) for req in batch.reqs):
+                outputs = self._recent_outputs.outputs(batch.reqs, contexts)
+                penalties = output_penalties(batch.reqs, outputs, self._vocab_size, next_logits.device)
                 ancestors = (
                     torch.ones((bs, 1, 1), dtype=torch.bool, device=next_logits.device)
                     if plain_decode
@@ -552,6 +561,7 @@ class BastionWorker(DFlashWorkerV2):
                 out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
             commit_lens = (accept.accept_length + 1).to(torch.int32)  # [B] tokens emitted
             new_seq_lens = prefix + commit_lens.to(torch.int64)
+            self._recent_outputs.record(batch.reqs, out_tokens, commit_lens)
         if on_publish is not None:
             on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with self._timer.stage("commit"):

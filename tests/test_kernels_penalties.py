@@ -81,8 +81,7 @@ def test_tree_penalties_equal_a_rerun_per_path(seed: int, order: tuple[Penalty, 
     trees = random_tree(generator, 6, width)
     reqs = batch_reqs(trees)
     raw = torch.randn((6, width, VOCAB), generator=generator) * 3
-    penalties = output_penalties(reqs, VOCAB, torch.device("cpu"))
-    assert penalties is not None
+    penalties = output_penalties(reqs, [req.output_ids for req in reqs], VOCAB, torch.device("cpu"))
     logits = raw.clone()
     apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties, order)
     penalizers = [PENALIZER_OF[penalty] for penalty in order]
@@ -100,8 +99,7 @@ def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
         depths=torch.tensor([[0, 1, 2, 3]]),
     )
     req = make_req(VOCAB, [5, 1], min_new=4, eos={2})
-    penalties = output_penalties([req], VOCAB, torch.device("cpu"))
-    assert penalties is not None
+    penalties = output_penalties([req], [req.output_ids], VOCAB, torch.device("cpu"))
     logits = torch.zeros((1, 4, VOCAB))
     apply_tree_penalties(logits, trees.tokens, reference.ancestor_mask(trees.parents), penalties, ORDERS[0])
     banned = torch.isneginf(logits[0])
@@ -113,10 +111,6 @@ def test_min_new_tokens_bans_stop_ids_only_below_the_minimum() -> None:
 def test_stop_ids_are_sglangs_set() -> None:
     req = make_req(VOCAB, [1], stop_ids={6}, eos={2, 6}, tokenizer_eos=0)
     assert min_new_tokens_stop_ids(req) == [0, 2, 6, VOCAB - 1]
-
-
-def test_no_penalty_needs_no_state() -> None:
-    assert output_penalties([make_req(VOCAB, [1, 2])], VOCAB, torch.device("cpu")) is None
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -11,7 +11,6 @@ from bastion_sglang.request_support import (
     GRAMMAR_FIELDS,
     REFUSAL_PREFIX,
     unsupported_parameter,
-    unsupported_under_overlap,
 )
 
 
@@ -47,20 +46,3 @@ def test_plain_requests_pass() -> None:
 def test_each_refusal_names_its_parameter(name: str, fields: dict[str, Any]) -> None:
     message = unsupported_parameter(fake_req(**fields))
     assert message is not None and message.startswith(REFUSAL_PREFIX) and name in message
-
-
-@pytest.mark.parametrize(
-    ("penalty", "value"),
-    [
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", 0.5),
-        ("repetition_penalty", 1.2),
-        ("min_new_tokens", 3),
-    ],
-)
-def test_output_penalties_are_refused_under_overlap_only(penalty: str, value: float) -> None:
-    neutral = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
-    req = SimpleNamespace(sampling_params=SimpleNamespace(**(neutral | {penalty: value})))
-    message = unsupported_under_overlap(req)
-    assert message is not None and message.startswith(REFUSAL_PREFIX) and "penalties" in message
-    assert unsupported_under_overlap(SimpleNamespace(sampling_params=SimpleNamespace(**neutral))) is None

@@ -528,8 +528,7 @@ def penalised_step_tree(kind: str, context: Context, rule: FilterRule) -> StepTr
     tree (output so far = context, root = its last token), then `processed_probs`."""
     tree = step_tree(kind, context)
     logits = torch.stack([raw_logits(context + path) for path in tree.paths])[None]
-    penalties = output_penalties([penalised_request(context)], VOCAB, torch.device("cpu"))
-    assert penalties is not None
+    penalties = output_penalties([penalised_request(context)], [context], VOCAB, torch.device("cpu"))
     ancestors = build_verify_layout(tree.rows, torch.tensor([0])).ancestor_mask
     apply_tree_penalties(logits, tree.rows.tokens, ancestors, penalties, sglang_penalty_order())
     return StepTree(tree.rows, processed_rows(logits[0], rule), tree.paths)
