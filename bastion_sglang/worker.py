@@ -417,7 +417,6 @@ class BastionWorker(DFlashWorkerV2):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
 
         greedy = [is_greedy(req) for req in batch.reqs]
-        l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         # priced once, and only when a ceiling or a plan needs them (most steps that skip the drafter do not)
         step_costs = functools.cache(functools.partial(self._step_costs, contexts))
         drafting = True
@@ -430,6 +429,9 @@ class BastionWorker(DFlashWorkerV2):
             )
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
         horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
+        if horizon == 0 and not batch.has_grammar and self._runs_plain_decode():
+            return self._skipped_step(batch, on_publish, prefix, prefix_cpu, contexts, greedy, other)
+        l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         top: kernels.DraftTopK | None = None
         if horizon > 0:
             with self._timer.stage("draft"):
@@ -514,35 +516,13 @@ class BastionWorker(DFlashWorkerV2):
             # tensor used after them
             next_logits = real_rows(logits_output.next_token_logits, bs, width)[:, : self._vocab_size]
             next_logits = next_logits.contiguous()
-            sampling_info = batch.sampling_info
-            if any(has_output_penalty(req) for req in batch.reqs):
-                outputs = self._recent_outputs.outputs(batch.reqs, contexts)
-                penalties = output_penalties(batch.reqs, outputs, self._vocab_size, next_logits.device)
-                ancestors = (
-                    torch.ones((bs, 1, 1), dtype=torch.bool, device=next_logits.device)
-                    if plain_decode
-                    else verify.layout.ancestor_mask
-                )
-                logits_3d = next_logits.view(bs, width, -1)
-                kernels.apply_tree_penalties(
-                    logits_3d, rows.tokens, ancestors, penalties, self._penalty_order
-                )
-            if grammar_tree is not None:
-                grammar_mask = build_grammar_vocab_mask(
-                    reqs=batch.reqs,
-                    tree=grammar_tree,
-                    sampling_info=sampling_info,
-                    device=next_logits.device,
-                    barrier=grammar_barrier,
-                )
-                if grammar_mask is not None:
-                    grammar_mask.apply(next_logits)
-            if sampling_info.logit_bias is not None:
-                next_logits.view(bs, width, -1).add_(sampling_info.logit_bias[:, None, :])
-            probs = uniforms = None
-            if not sampling_info.is_all_greedy:
-                probs = target_sampling_probs(next_logits, sampling_info, width, self._sampling_backend)
-                uniforms = kernels.position_uniforms(draft_input.seeds, prefix[:, None] + 1 + rows.depths)
+            ancestors = None if plain_decode else verify.layout.ancestor_mask
+            self._process_logits(
+                batch, next_logits, rows.tokens, ancestors, contexts, grammar_tree, grammar_barrier
+            )
+            probs, uniforms = self._sampling_inputs(
+                batch, next_logits, width, draft_input.seeds, prefix[:, None] + 1 + rows.depths
+            )
             if width == 1:  # roots only (a plain step): the target's token is the step's one token
                 targets = (
                     torch.argmax(next_logits, dim=-1)
@@ -598,19 +578,163 @@ class BastionWorker(DFlashWorkerV2):
             other_seconds=other,
             drafted=top is not None,
         )
+        self._end_step(record)
+        return self._step_result(
+            target_out, out_tokens, commit_lens, accept.bonus_tokens, new_seq_lens, draft_input.seeds, width
+        )
+
+    def _skipped_step(
+        self,
+        batch: ScheduleBatch,
+        on_publish: Any,
+        prefix: torch.Tensor,
+        prefix_cpu: torch.Tensor,
+        contexts: list[int],
+        greedy: list[bool],
+        other: float | None,
+    ) -> GenerationBatchResult:
+        """A decode step without the drafter where the target runs SGLang's own DECODE forward: each root's
+        forward and the target's token after it, as `_decode_step` makes of a plan of width 1 but without the
+        plan, verify rows and accept walk it would build for it (no grammar: its tree needs the rows).
+
+        Such steps are where BASTION must cost what plain decoding costs, so they do only what the output and
+        the online state need: the token (penalties, logit bias, sampling as in any step), the roots' drafter
+        context (deferred), the latency model's plain observation, the pending acceptance record, and the
+        metrics. prefix: [B] committed lengths (prefix_cpu, contexts: host copies); greedy: [B] per request;
+        other: host seconds since the last decode step (None: none just before).
+        """
+        draft_input: BastionDraftInput = batch.spec_info
+        bs = len(contexts)
+        roots = draft_input.bonus_tokens
+        with self._timer.stage("plan"):
+            l_ar = self.latency.predict_plain_batch(contexts)
+            self._pending_steps.append(PendingStep(self._step_index, [0.0] * bs, greedy, [1.0] * bs))
+            self._speedups.plan(self._step_index, l_ar, bs)
+            if self._metrics is not None:
+                ones = [1.0] * bs
+                self._metrics.observe_plan([0] * bs, ones, ones, 1.0, self.latency.calibrated, "skipped")
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            # [B] each root's KV slot, at position L_b
+            slots = req_to_token[batch.req_pool_indices.to(torch.int64), prefix].to(torch.int64)
+        with self._timer.stage("verify"):
+            target_out = self._decode_plain(batch, roots, slots, prefix, prefix_cpu)
+        with self._timer.stage("accept"):
+            logits_output = target_out.logits_output
+            next_logits = logits_output.next_token_logits[:, : self._vocab_size].contiguous()  # [B, V]
+            self._process_logits(batch, next_logits, roots[:, None], None, contexts, None, None)
+            positions = (prefix + 1)[:, None]  # [B, 1] the position of each target token
+            probs, uniforms = self._sampling_inputs(batch, next_logits, 1, draft_input.seeds, positions)
+            targets = (
+                torch.argmax(next_logits, dim=-1)
+                if probs is None
+                else kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
+            )
+            commit_lens = torch.ones_like(targets, dtype=torch.int32)  # [B] one token each
+            new_seq_lens = prefix + 1
+            self._recent_outputs.record(batch.reqs, targets[:, None], commit_lens)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        with self._timer.stage("commit"):
+            if self._deferred_context.due(batch.reqs):
+                self._write_context(self._deferred_context.take())
+            self._deferred_context.defer(
+                batch.reqs, ContextRows(logits_output.hidden_states.clone(), slots, prefix)
+            )
+            logits_output.hidden_states = None
+            if batch.return_logprob:
+                logits_output.next_token_logits = next_logits
+                compute_spec_logprobs(batch, logits_output, targets, chain_stride=1)
+        self._end_step(
+            StepRecord(self._step_index, [1] * bs, contexts, l_ar, other_seconds=other, drafted=False)
+        )
+        return self._step_result(
+            target_out, targets[:, None], commit_lens, targets, new_seq_lens, draft_input.seeds, 1
+        )
+
+    def _process_logits(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        ancestors: torch.Tensor | None,
+        contexts: list[int],
+        grammar_tree: GrammarTree | None,
+        grammar_barrier: Any,
+    ) -> None:
+        """In place, in SGLang's order: the requests' output penalties for the output so far plus each node's
+        path, their grammar along the path, their logit_bias.
+
+        logits: [B * W, V] of the verify rows tokens [B, W]; ancestors: [B, W, W] bool (None: W = 1, the
+        roots alone); contexts: [B] committed lengths (host); grammar_tree: the rows' links (None: none).
+        """
+        bs, width = tokens.shape
+        if any(has_output_penalty(req) for req in batch.reqs):
+            outputs = self._recent_outputs.outputs(batch.reqs, contexts)
+            penalties = output_penalties(batch.reqs, outputs, self._vocab_size, logits.device)
+            if ancestors is None:
+                ancestors = torch.ones((bs, 1, 1), dtype=torch.bool, device=logits.device)
+            kernels.apply_tree_penalties(
+                logits.view(bs, width, -1), tokens, ancestors, penalties, self._penalty_order
+            )
+        sampling_info = batch.sampling_info
+        if grammar_tree is not None:
+            grammar_mask = build_grammar_vocab_mask(
+                reqs=batch.reqs,
+                tree=grammar_tree,
+                sampling_info=sampling_info,
+                device=logits.device,
+                barrier=grammar_barrier,
+            )
+            if grammar_mask is not None:
+                grammar_mask.apply(logits)
+        if sampling_info.logit_bias is not None:
+            logits.view(bs, width, -1).add_(sampling_info.logit_bias[:, None, :])
+
+    def _sampling_inputs(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        width: int,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The target's distributions [B, W, V] after each row (`target_sampling_probs`) and the walk's
+        uniforms [B, W] at `positions` [B, W] (the position of each row's next token); (None, None) when every
+        request is greedy. logits: [B * W, V] processed (`_process_logits`); seeds: [B] int64."""
+        sampling_info = batch.sampling_info
+        if sampling_info.is_all_greedy:
+            return None, None
+        probs = target_sampling_probs(logits, sampling_info, width, self._sampling_backend)
+        return probs, kernels.position_uniforms(seeds, positions)
+
+    def _end_step(self, record: StepRecord) -> None:
+        """Close the decode step `record` describes: its times to the latency model, costs and metrics."""
         self._observe(self._timer.finish_step(record))
         self._step_index += 1
         self._last_decode_end = time.perf_counter()
 
+    def _step_result(
+        self,
+        target_out: GenerationBatchResult,
+        out_tokens: torch.Tensor,
+        commit_lens: torch.Tensor,
+        bonus_tokens: torch.Tensor,
+        new_seq_lens: torch.Tensor,
+        seeds: torch.Tensor,
+        width: int,
+    ) -> GenerationBatchResult:
+        """What a decode step hands the scheduler: out_tokens [B, W] (the first commit_lens [B] int32 of each
+        row are emitted), the next roots bonus_tokens [B], the committed lengths new_seq_lens [B], the
+        requests' walk seeds [B] (carried on)."""
         return GenerationBatchResult(
-            logits_output=logits_output,
+            logits_output=target_out.logits_output,
             next_token_ids=out_tokens.reshape(-1),
             accept_lens=commit_lens,
             can_run_cuda_graph=target_out.can_run_cuda_graph,
             next_draft_input=BastionDraftInput(
-                bonus_tokens=accept.bonus_tokens,
+                bonus_tokens=bonus_tokens,
                 new_seq_lens=new_seq_lens,
-                seeds=draft_input.seeds,
+                seeds=seeds,
                 reserve=self._reserve,
             ),
             speculative_num_draft_tokens=width,
