@@ -125,14 +125,12 @@ class RecentOutputs:
     def _last_tokens(self, req: Req, missing: int) -> list[int]:
         """The last `missing` tokens the most recent recorded forward of `req` committed for it."""
         for forward in reversed(self._forwards):
-            for row, held in enumerate(forward.reqs):
-                if held is req:
-                    count = int(forward.counts[row])
-                    if 0 < missing <= count:
-                        return forward.tokens[row, count - missing : count].tolist()
-                    break
-            else:
+            row = next((row for row, held in enumerate(forward.reqs) if held is req), None)
+            if row is None:
                 continue
+            count = int(forward.counts[row])
+            if 0 < missing <= count:
+                return forward.tokens[row, count - missing : count].tolist()
             break
         raise RuntimeError(
             f"request {req.rid}: its output lacks {missing} committed tokens that no recent forward holds"

@@ -255,6 +255,16 @@ def worker_acceptance(
     return calibration
 
 
+def _root_targets(
+    logits: torch.Tensor, probs: torch.Tensor | None, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """The target's token after each root of a width-1 step: [B] int64. logits: [B, V] processed; probs
+    [B, 1, V] and uniforms [B, 1] of `_sampling_inputs` (None: every request greedy, the argmax)."""
+    if probs is None:
+        return torch.argmax(logits, dim=-1)
+    return kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
+
+
 def is_greedy(req: Req) -> bool:
     """Whether the request decodes greedily (SGLang normalises temperature 0 to top_k = 1)."""
     params = req.sampling_params
@@ -413,9 +423,6 @@ class BastionWorker(DFlashWorkerV2):
         # after the previous step's publish (`FutureMap.resolve_seq_lens_cpu` waits for it: exact)
         prefix_cpu = batch.seq_lens_cpu
         contexts = prefix_cpu.tolist()
-        rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-
         greedy = [is_greedy(req) for req in batch.reqs]
         # priced once, and only when a ceiling or a plan needs them (most steps that skip the drafter do not)
         step_costs = functools.cache(functools.partial(self._step_costs, contexts))
@@ -431,6 +438,8 @@ class BastionWorker(DFlashWorkerV2):
         horizon = self._rank_sync.share_horizon(self._horizon.horizon if drafting else 0)
         if horizon == 0 and not batch.has_grammar and self._runs_plain_decode():
             return self._skipped_step(batch, on_publish, prefix, prefix_cpu, contexts, greedy, other)
+        rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
         l_ar = self.latency.predict_plain_batch(contexts)  # a plain step now (costs.l_ar: for the planner)
         top: kernels.DraftTopK | None = None
         if horizon > 0:
@@ -524,11 +533,7 @@ class BastionWorker(DFlashWorkerV2):
                 batch, next_logits, width, draft_input.seeds, prefix[:, None] + 1 + rows.depths
             )
             if width == 1:  # roots only (a plain step): the target's token is the step's one token
-                targets = (
-                    torch.argmax(next_logits, dim=-1)
-                    if probs is None
-                    else kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
-                )
+                targets = _root_targets(next_logits, probs, uniforms)
                 accept = kernels.accept_roots(targets)
                 order, out_tokens = accept.accept_index, targets[:, None]
             else:
@@ -548,10 +553,7 @@ class BastionWorker(DFlashWorkerV2):
             real_window = window[:, :width]  # [B, W]: padding slots stay uncommitted in the reserve
             hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
             if top is None:  # one token per request, already in place: its drafter KV can wait
-                if self._deferred_context.due(batch.reqs):
-                    self._write_context(self._deferred_context.take())
-                rows_held = ContextRows(hidden[:, 0].clone(), slots[:, 0], real_window[:, 0])
-                self._deferred_context.defer(batch.reqs, rows_held)
+                self._defer_context(batch, ContextRows(hidden[:, 0].clone(), slots[:, 0], real_window[:, 0]))
             else:
                 compacted = slots[:, :width].gather(1, order)
                 req_to_token[rows_index, real_window] = compacted.to(req_to_token.dtype)
@@ -624,22 +626,14 @@ class BastionWorker(DFlashWorkerV2):
             self._process_logits(batch, next_logits, roots[:, None], None, contexts, None, None)
             positions = (prefix + 1)[:, None]  # [B, 1] the position of each target token
             probs, uniforms = self._sampling_inputs(batch, next_logits, 1, draft_input.seeds, positions)
-            targets = (
-                torch.argmax(next_logits, dim=-1)
-                if probs is None
-                else kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
-            )
+            targets = _root_targets(next_logits, probs, uniforms)
             commit_lens = torch.ones_like(targets, dtype=torch.int32)  # [B] one token each
             new_seq_lens = prefix + 1
             self._recent_outputs.record(batch.reqs, targets[:, None], commit_lens)
         if on_publish is not None:
             on_publish(new_seq_lens)
         with self._timer.stage("commit"):
-            if self._deferred_context.due(batch.reqs):
-                self._write_context(self._deferred_context.take())
-            self._deferred_context.defer(
-                batch.reqs, ContextRows(logits_output.hidden_states.clone(), slots, prefix)
-            )
+            self._defer_context(batch, ContextRows(logits_output.hidden_states.clone(), slots, prefix))
             logits_output.hidden_states = None
             if batch.return_logprob:
                 logits_output.next_token_logits = next_logits
@@ -706,6 +700,13 @@ class BastionWorker(DFlashWorkerV2):
             return None, None
         probs = target_sampling_probs(logits, sampling_info, width, self._sampling_backend)
         return probs, kernels.position_uniforms(seeds, positions)
+
+    def _defer_context(self, batch: ScheduleBatch, rows: ContextRows) -> None:
+        """Hold a step's drafter context rows (one per request of `batch`) until the drafter needs them,
+        writing the rows held so far first when they are due (`DeferredDraftContext.due`)."""
+        if self._deferred_context.due(batch.reqs):
+            self._write_context(self._deferred_context.take())
+        self._deferred_context.defer(batch.reqs, rows)
 
     def _end_step(self, record: StepRecord) -> None:
         """Close the decode step `record` describes: its times to the latency model, costs and metrics."""

@@ -166,10 +166,15 @@ def synchronous(
     return _run("adaptive", engine_server_args(models, config), greedy=False)
 
 
+def assert_same_outputs(got: list[list[int]], want: list[list[int]]) -> None:
+    """Token ids equal prompt by prompt; the message names the prompt and the first differing token."""
+    for i, (ids, wanted) in enumerate(zip(got, want, strict=True)):
+        assert ids == wanted, f"prompt {i}: first difference at token {first_difference(ids, wanted)}"
+
+
 def test_greedy_equals_no_speculation(overlapped: Run, reference: list[list[int]]) -> None:
     assert len(overlapped.greedy) == len(reference)
-    for i, (got, want) in enumerate(zip(overlapped.greedy, reference, strict=True)):
-        assert got == want, f"prompt {i}: first difference at token {first_difference(got, want)}"
+    assert_same_outputs(overlapped.greedy, reference)
 
 
 def test_overlap_engine_speculated(overlapped: Run) -> None:
@@ -181,11 +186,9 @@ def test_overlap_engine_speculated(overlapped: Run) -> None:
 
 
 def test_sampled_equals_without_overlap(overlapped: Run, synchronous: Run) -> None:
-    for i, (got, want) in enumerate(zip(overlapped.sampled, synchronous.sampled, strict=True)):
-        assert got == want, f"prompt {i}: first difference at token {first_difference(got, want)}"
+    assert_same_outputs(overlapped.sampled, synchronous.sampled)
     assert len({tuple(ids) for ids in synchronous.sampled}) > 1  # sampled text, not one repeated output
 
 
 def test_penalised_outputs_equal_without_overlap(overlapped: Run, synchronous: Run) -> None:
-    for i, (got, want) in enumerate(zip(overlapped.penalised, synchronous.penalised, strict=True)):
-        assert got == want, f"prompt {i}: first difference at token {first_difference(got, want)}"
+    assert_same_outputs(overlapped.penalised, synchronous.penalised)
