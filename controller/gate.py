@@ -16,9 +16,13 @@ more than a plain step). So before drafting, the caller may pass a `ceiling`: th
 best speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`:
 the last drafted step's mean Â curve when it drafted for every request of the batch, else the mean curve of
 the recent drafted steps; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While
-the ceiling is at most 1, a probe the backoff asks for is skipped too (and the ceiling is asked again after
-another backoff period); only a refresh probe still runs (the text may have become easier), once the steps
-without drafting reach the refresh interval. Where the draft horizon held the trees back (h < D,
+the ceiling is at most 1, a probe the backoff asks for is skipped too and counts as a failed probe: the
+backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time per step
+on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
+min_backoff). Only a refresh probe still runs (the text may have become easier), once the steps without
+drafting reach the refresh interval; a vetoed probe's backoff never runs past that point. While speculating
+the ceiling is not asked: each step's own plan decides, and for the batch the last step drafted for the
+ceiling would only repeat that plan's speculative speedup. Where the draft horizon held the trees back (h < D,
 `controller.horizon`), the curve is raised to what nodes below the horizon could add (`horizon_gain`,
 `reachable_accept`): after a decline the horizon is two positions, and a curve capped at depth 2 kept the gate
 closed for 50 steps on text the drafter predicted 15 tokens deep.
@@ -96,20 +100,21 @@ class SpeculationGate:
     def should_draft(self, ceiling: Callable[[], SpeculationCeiling] | None = None) -> bool:
         """Called once at the start of every decode step: True to draft (speculate or probe), else skip.
         ceiling: returns the best speculative plan this step could get (module docstring), called only when
-        the backoff would draft; None: none known. A ceiling that vetoes the probe is asked again once the
-        current backoff (min_backoff while speculating) has passed, not at every step: it prices the batch's
-        whole curve (0.1 ms of host time on the CPU demo pair, where a plain step took 24 ms)."""
+        the backing-off gate would probe; None: none known. A ceiling that vetoes the probe doubles the
+        backoff as a failed probe does, so it is asked ever more rarely, not at every step: it prices the
+        batch's whole curve."""
         self._steps += 1
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
         else:
-            bound = None if ceiling is None else ceiling()
-            refresh = bound is not None and self._since_draft >= self.refresh_interval(bound)
-            if bound is None or refresh or bound.speedup > 1.0:
-                self._refreshing = refresh
+            bound = None if ceiling is None or not self.skipping else ceiling()
+            until_refresh = 0 if bound is None else self.refresh_interval(bound) - self._since_draft
+            if bound is None or until_refresh <= 0 or bound.speedup > 1.0:
+                self._refreshing = bound is not None and until_refresh <= 0
                 self._since_draft = 0
                 return True
-            self._skip_remaining = max(self._backoff, self.min_backoff) - 1  # vetoed: ask after a backoff
+            self._back_off()  # vetoed: a failed probe, but never past the refresh
+            self._skip_remaining = min(self._backoff, until_refresh) - 1
         self._skipped += 1
         self._since_draft += 1
         return False
@@ -122,8 +127,12 @@ class SpeculationGate:
             return
         if self._refreshing:
             self._refresh_after = min(2 * self._refresh_after, self.max_refresh)
-        self._backoff = self.min_backoff if self._backoff == 0 else min(2 * self._backoff, self.max_backoff)
+        self._back_off()
         self._skip_remaining = self._backoff
+
+    def _back_off(self) -> None:
+        """A probe found speculation unprofitable: min_backoff after speculating, else double, up to max."""
+        self._backoff = self.min_backoff if self._backoff == 0 else min(2 * self._backoff, self.max_backoff)
 
     def refresh_interval(self, bound: SpeculationCeiling) -> int:
         """Steps without drafting before a refresh probe of a batch whose best plan is `bound`: the doubling

@@ -113,7 +113,9 @@ def test_a_ceiling_at_most_one_skips_probes_until_a_refresh_is_due() -> None:
     # skip 1 (the backoff: the ceiling is not asked), then the ceiling vetoes the probes the backoff would
     # run, until 8 steps passed without drafting: a refresh probe
     assert drafted == [False] * 8 + [True] + [False] * 3
-    assert low.calls == 8 + 3
+    # each veto doubles the backoff, cut short where the refresh falls due: asked at steps 1, 3 and 7 (skips
+    # of 2, 4 and 1), at the refresh (8), and at 9 (a veto; the refresh probe's plan is not recorded here)
+    assert low.calls == 5
 
 
 def test_a_vetoing_ceiling_is_asked_once_per_backoff_period() -> None:
@@ -135,23 +137,36 @@ def test_a_vetoing_ceiling_is_asked_once_per_backoff_period() -> None:
 
 def test_failed_refreshes_stretch_the_refresh_interval_up_to_max_refresh() -> None:
     gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16, probe_share=CHEAP_PROBES)
+    assert gate.should_draft()  # no drafted step yet: no ceiling known
+    gate.record(0.6)
     drafted = drafted_steps(gate, 0.6, 120, Ceiling(0.5))
     probes = [step for step, draft in enumerate(drafted) if draft]
     # the first refresh after 4 steps without drafting, then 8, then 16 at most
     assert probes[0] == 4
     assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)] == [8] + [16] * 6
-    # a refresh that finds speculation paying brings the interval back to max_backoff
-    paying = drafted_steps(gate, 1.2, 40, Ceiling(0.5))
-    probes = [step for step, draft in enumerate(paying) if draft]
-    assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)][:3] == [4, 4, 4]
+    # a refresh that finds speculation paying brings the interval back to max_backoff: when the next plan
+    # fails, refreshes come after 4 steps without drafting again, then 8
+    while not gate.should_draft(Ceiling(0.5)):
+        pass
+    gate.record(1.2)
+    assert not gate.skipping
+    probes = [step for step, draft in enumerate(drafted_steps(gate, 0.6, 40, Ceiling(0.5))) if draft]
+    assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)][:2] == [4, 8]
+
+
+def test_a_speculating_gate_does_not_ask_the_ceiling() -> None:
+    """While the plans pay, each step's plan decides: the ceiling is neither asked nor able to veto."""
+    low = Ceiling(0.5)
+    assert all(drafted_steps(SpeculationGate(), 1.5, 20, low))
+    assert low.calls == 0
 
 
 def test_a_ceiling_above_one_keeps_the_backoff_schedule() -> None:
     high = Ceiling(1.2)
     with_ceiling = drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13, high)
     assert with_ceiling == drafted_steps(SpeculationGate(min_backoff=1, max_backoff=4), 0.8, 13)
-    # asked before each draft the backoff allows: steps 1, 3, 6 and 11
-    assert high.calls == 4
+    # asked before each probe the backoff allows (steps 2, 5 and 10), not at step 0: the gate was speculating
+    assert high.calls == 3
 
 
 def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
@@ -168,9 +183,8 @@ def test_refreshes_wait_until_their_expected_cost_is_the_probe_share() -> None:
     probes = probes_after_a_failed_plan(
         SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=512, probe_share=0.01)
     )
-    # 150 steps without drafting before the first two; once failed refreshes have doubled the backoff to 8,
-    # the ceiling is asked every 8 steps, and the refresh comes at the first ask past 150 steps (152)
-    assert probes[:4] == [150, 301, 454, 607]
+    # 150 steps without drafting before each: a veto's backoff (doubling to 8) stops where the refresh is due
+    assert probes[:4] == [150, 301, 452, 603]
     capped = SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=64, probe_share=0.01)
     assert probes_after_a_failed_plan(capped)[:3] == [64, 129, 194]
     cheap = Ceiling(0.5, refresh_steps=0.015)  # 2 steps at 1 %, under max_backoff
