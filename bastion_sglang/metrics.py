@@ -27,15 +27,28 @@ scheduler labels, on the same `/metrics` as SGLang:
   then planned plain decoding (declined), and that skipped the drafter (skipped);
 - sglang:bastion_latency_ema_factor (gauge, most recent): the latency model's online correction;
 - sglang:bastion_uncalibrated_steps_total (counter): steps planned without a calibration profile.
+
+Writes are batched: a decode step's observations are held and written to the multiprocess files together
+with those of the next steps, FLUSH_STEPS steps at a time, and at once before the output of a finished
+request leaves the scheduler (`flush_all`, from the registration's hook on SGLang's output streamer), so a
+client that has its response reads series that include it. Written one step at a time, the dozen series of
+a skipped step cost 0.17 ms of host time per step on the CPU demo pair (0.7 % of a plain step); 16 steps
+at a time, 0.05 ms per step: prometheus_client's per-sample work runs several times faster in one tight
+loop than spread between forward passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bastion_sglang.timing import STAGES, StageTimes
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 STEP_MODES = ("speculative", "declined", "skipped")
 """Modes of a decode step (`sglang:bastion_decode_steps_total{mode=...}`)."""
@@ -48,6 +61,28 @@ SPEEDUP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0
 TREE_NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+FLUSH_STEPS = 16
+"""Decode steps whose observations `BastionMetrics` holds before writing them (module docstring)."""
+
+_LIVE: weakref.WeakSet[BastionMetrics] = weakref.WeakSet()
+"""This process's BastionMetrics, for `flush_all`."""
+
+
+def flush_all() -> None:
+    """Write every held observation of this process's BastionMetrics (before a finished request's output
+    leaves the scheduler)."""
+    for metrics in list(_LIVE):
+        metrics.flush()
+
+
+def _deferred(write: Callable[..., None]) -> Callable[..., None]:
+    """An observe method whose Prometheus writes wait for the next `BastionMetrics.flush`."""
+
+    @functools.wraps(write)
+    def observe(self: BastionMetrics, *args: Any, **kwargs: Any) -> None:
+        self._held.append(functools.partial(write, self, *args, **kwargs))
+
+    return observe
 
 
 @dataclass
@@ -129,102 +164,124 @@ class BastionMetrics:
     planned without a calibrated profile. The EMA factor of the latency model is a gauge (most recent).
     """
 
-    def __init__(self, labels: dict[str, str]) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
+    def __init__(self, labels: dict[str, str], registry: CollectorRegistry | None = None) -> None:
+        """labels: SGLang's scheduler labels (`scheduler_metric_labels`); registry: where the series register
+        (None: prometheus_client's default, which SGLang's /metrics serves)."""
+        import prometheus_client
 
+        registry = prometheus_client.REGISTRY if registry is None else registry
+        counter = functools.partial(prometheus_client.Counter, registry=registry)
+        gauge = functools.partial(prometheus_client.Gauge, registry=registry)
+        histogram = functools.partial(prometheus_client.Histogram, registry=registry)
         names = list(labels)
         self._labels = labels
-        self.tree_nodes = Histogram(
+        self.tree_nodes = histogram(
             "sglang:bastion_tree_nodes",
             "Draft nodes verified per request per step (root excluded).",
             names,
             buckets=TREE_NODE_BUCKETS,
         )
-        self.expected_accept = Histogram(
+        self.expected_accept = histogram(
             "sglang:bastion_expected_accept_length",
             "Expected tokens committed per request per step, A-hat of the verified tree (bonus included).",
             names,
             buckets=ACCEPT_BUCKETS,
         )
-        self.accept_length = Histogram(
+        self.accept_length = histogram(
             "sglang:bastion_accept_length",
             "Tokens committed per request per step (accepted draft nodes + the bonus token).",
             names,
             buckets=ACCEPT_BUCKETS,
         )
-        self.verify_estimated = Histogram(
+        self.verify_estimated = histogram(
             "sglang:bastion_verify_seconds_estimated",
             "Verify-pass latency the latency model predicted for the planned tree sizes, seconds.",
             names,
             buckets=SECONDS_BUCKETS,
         )
-        self.verify_observed = Histogram(
+        self.verify_observed = histogram(
             "sglang:bastion_verify_seconds_observed",
             "Measured verify-pass latency, seconds.",
             names,
             buckets=SECONDS_BUCKETS,
         )
-        self.ema_factor = Gauge(
+        self.ema_factor = gauge(
             "sglang:bastion_latency_ema_factor",
             "Online correction of the latency model as one factor at its typical point (observed / offline).",
             names,
             multiprocess_mode="mostrecent",
         )
-        self.expected_accept_raw = Histogram(
+        self.expected_accept_raw = histogram(
             "sglang:bastion_expected_accept_length_raw",
             "Raw A-hat of the verified tree per request per step: 1 + sum of drafter path probabilities.",
             names,
             buckets=ACCEPT_BUCKETS,
         )
-        self.verify_relative_error = Histogram(
+        self.verify_relative_error = histogram(
             "sglang:bastion_verify_relative_error",
             "|estimated - observed| / observed verify latency per pass, after warm-up.",
             names,
             buckets=RELATIVE_ERROR_BUCKETS,
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = histogram(
             "sglang:bastion_step_stage_seconds",
             "Seconds per stage of a decode step (draft, plan, verify, accept, commit, other).",
             [*names, "stage"],
             buckets=SECONDS_BUCKETS,
         )
-        self.speedup_estimated = Histogram(
+        self.speedup_estimated = histogram(
             "sglang:bastion_speedup_estimated",
             "Estimated speedup over plain decoding of each decode step's plan.",
             names,
             buckets=SPEEDUP_BUCKETS,
         )
-        self.speedup_realised = Histogram(
+        self.speedup_realised = histogram(
             "sglang:bastion_speedup_realised",
             "Realised speedup over plain decoding per decode step: tokens x L_AR / (batch x step seconds).",
             names,
             buckets=SPEEDUP_BUCKETS,
         )
-        self.acceptance_error = Gauge(
+        self.acceptance_error = gauge(
             "sglang:bastion_acceptance_calibration_error",
             "Relative error of the expected vs realised accept length over recent steps.",
             names,
             multiprocess_mode="mostrecent",
         )
-        self.acceptance_correction = Gauge(
+        self.acceptance_correction = gauge(
             "sglang:bastion_acceptance_correction",
             "Online correction factor of the calibrated expected accept length (drafted part).",
             [*names, "mode"],
             multiprocess_mode="mostrecent",
         )
-        self.decode_steps = Counter(
+        self.decode_steps = counter(
             "sglang:bastion_decode_steps",
             "Decode steps by mode: speculative (a tree verified), declined (drafted, then plain decoding "
             "planned: no tree paid), skipped (no drafter pass: the speculation gate is backing off).",
             [*names, "mode"],
         )
         self._verify_passes = 0
-        self.uncalibrated_steps = Counter(
+        self.uncalibrated_steps = counter(
             "sglang:bastion_uncalibrated_steps",
             "Decode steps planned without a calibrated latency profile.",
             names,
         )
         self._series: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
+        self._held: list[Callable[[], None]] = []  # writes of the steps since the last flush, in order
+        self._held_steps = 0
+        _LIVE.add(self)
+
+    def end_step(self) -> None:
+        """A decode step's observations are all made: write the held ones once FLUSH_STEPS steps are held.
+        (The realised accept lengths of a step arrive after its end, and join the steps after it.)"""
+        self._held_steps += 1
+        if self._held_steps >= FLUSH_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every held observation to the Prometheus series, in the order they were made."""
+        held, self._held, self._held_steps = self._held, [], 0
+        for write in held:
+            write()
 
     def _child(self, family: Any, **extra: str) -> Any:
         """The family's series at this worker's labels plus `extra` ones, looked up once: prometheus_client's
@@ -248,6 +305,20 @@ class BastionMetrics:
         latency model had a profile; the step's mode (one of STEP_MODES)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r}; modes: {STEP_MODES}")
+        self._write_plan(
+            node_counts, expected_accept, expected_accept_raw, estimated_speedup, calibrated, mode
+        )
+
+    @_deferred
+    def _write_plan(
+        self,
+        node_counts: Sequence[int],
+        expected_accept: Sequence[float],
+        expected_accept_raw: Sequence[float],
+        estimated_speedup: float,
+        calibrated: bool,
+        mode: str,
+    ) -> None:
         self._child(self.decode_steps, mode=mode).inc()
         nodes_series = self._child(self.tree_nodes)
         accept_series = self._child(self.expected_accept)
@@ -260,6 +331,7 @@ class BastionMetrics:
         if not calibrated:
             self._child(self.uncalibrated_steps).inc()
 
+    @_deferred
     def observe_verify(self, estimated_seconds: float, observed_seconds: float, ema_factor: float) -> None:
         """One verify pass: the model's estimate, the measurement, the EMA factor after observing it."""
         self._child(self.verify_estimated).observe(estimated_seconds)
@@ -270,6 +342,7 @@ class BastionMetrics:
             error = abs(estimated_seconds - observed_seconds) / observed_seconds
             self._child(self.verify_relative_error).observe(error)
 
+    @_deferred
     def observe_stages(self, times: StageTimes, other_seconds: float | None) -> None:
         """One decode step's stage seconds; other_seconds: None when no decode step came just before."""
         for name in STAGES:
@@ -277,9 +350,11 @@ class BastionMetrics:
         if other_seconds is not None:
             self._child(self.stage_seconds, stage=OTHER_STAGE).observe(other_seconds)
 
+    @_deferred
     def observe_realised_speedup(self, speedup: float) -> None:
         self._child(self.speedup_realised).observe(speedup)
 
+    @_deferred
     def observe_acceptance(
         self, calibration_error: float, greedy_correction: float, sampled_correction: float
     ) -> None:
@@ -288,6 +363,7 @@ class BastionMetrics:
         self._child(self.acceptance_correction, mode="greedy").set(greedy_correction)
         self._child(self.acceptance_correction, mode="sampled").set(sampled_correction)
 
+    @_deferred
     def observe_accepted(self, accepted_drafts: Sequence[int]) -> None:
         """Accepted draft nodes per request of one step (host list); records tokens = accepted + 1."""
         series = self._child(self.accept_length)

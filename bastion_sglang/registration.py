@@ -13,6 +13,8 @@ How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
   exactly (`bastion_sglang.request_support`).
 - A hook on `ModelRunner._decode_cuda_graph_runner_cls` gives BASTION's target its own verify graph runner
   (`bastion_sglang.graphs`: captured with the tree mask, one per width bucket).
+- A hook on the scheduler's output streamer writes BASTION's held metrics before a finished request's
+  output leaves (`bastion_sglang.metrics`: writes are batched over decode steps).
 
 This module is the only place where SGLang server arguments are mapped to `BastionConfig`.
 """
@@ -240,6 +242,16 @@ def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs:
     from bastion_sglang import cpu_support
 
     cpu_support.prepare_scheduler_process(server_args)
+
+
+def _flush_metrics_before_output(streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of `SchedulerOutputStreamer.stream_output(self, reqs, ...)`: when a request of `reqs` has
+    finished, write BASTION's held metrics first (`metrics.flush_all`), so a client that has its response
+    reads series that include its last steps. Returns None, so the arguments pass through unchanged."""
+    from bastion_sglang.metrics import flush_all
+
+    if any(req.finished() for req in reqs):
+        flush_all()
 
 
 def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bool) -> str | None:
@@ -550,6 +562,11 @@ def register_algorithm() -> None:
     )
     HookRegistry.register(
         "sglang.srt.speculative.dflash_utils.validate_dflash_request", _validate_request, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output",
+        _flush_metrics_before_output,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls",

@@ -201,6 +201,9 @@ REGISTRATION_HOOKS: tuple[Internal, ...] = (
     Internal("sglang.srt.managers.scheduler", "Scheduler", "__init__"),
     Internal("sglang.srt.speculative.dflash_utils", "validate_dflash_request"),
     Internal(_RUNNER, "ModelRunner", "_decode_cuda_graph_runner_cls"),
+    Internal(
+        "sglang.srt.managers.scheduler_components.output_streamer", "SchedulerOutputStreamer", "stream_output"
+    ),
 )
 """Targets `registration.register_algorithm` hooks (SGLang's HookRegistry skips a missing one with a log
 line, so a moved target would silently drop a BASTION feature)."""

@@ -711,6 +711,8 @@ class BastionWorker(DFlashWorkerV2):
     def _end_step(self, record: StepRecord) -> None:
         """Close the decode step `record` describes: its times to the latency model, costs and metrics."""
         self._observe(self._timer.finish_step(record))
+        if self._metrics is not None:
+            self._metrics.end_step()
         self._step_index += 1
         self._last_decode_end = time.perf_counter()
 
