@@ -292,6 +292,7 @@ class BastionMetrics:
             child = self._series[key] = family.labels(**self._labels, **extra)
         return child
 
+    @_deferred
     def observe_plan(
         self,
         node_counts: Sequence[int],
@@ -302,23 +303,9 @@ class BastionMetrics:
         mode: str = "speculative",
     ) -> None:
         """One planned step: nodes, Â and raw Â per request; the plan's estimated speedup; whether the
-        latency model had a profile; the step's mode (one of STEP_MODES)."""
+        latency model had a profile; the step's mode (one of STEP_MODES: ValueError when written)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r}; modes: {STEP_MODES}")
-        self._write_plan(
-            node_counts, expected_accept, expected_accept_raw, estimated_speedup, calibrated, mode
-        )
-
-    @_deferred
-    def _write_plan(
-        self,
-        node_counts: Sequence[int],
-        expected_accept: Sequence[float],
-        expected_accept_raw: Sequence[float],
-        estimated_speedup: float,
-        calibrated: bool,
-        mode: str,
-    ) -> None:
         self._child(self.decode_steps, mode=mode).inc()
         nodes_series = self._child(self.tree_nodes)
         accept_series = self._child(self.expected_accept)

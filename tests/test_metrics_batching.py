@@ -67,11 +67,11 @@ def test_flush_all_writes_what_is_held_in_order(metrics: tuple[BastionMetrics, C
     assert sample(registry, STEPS, mode="skipped") == 1.0
 
 
-def test_an_unknown_step_mode_is_refused_when_observed(
+def test_an_unknown_step_mode_is_refused_when_written(
     metrics: tuple[BastionMetrics, CollectorRegistry],
 ) -> None:
     worker, registry = metrics
+    worker.observe_plan([0], [1.0], [1.0], 1.0, True, "paused")
     with pytest.raises(ValueError, match="unknown step mode 'paused'"):
-        worker.observe_plan([0], [1.0], [1.0], 1.0, True, "paused")
-    worker.flush()
+        worker.flush()
     assert sample(registry, STEPS, mode="paused") == 0.0
