@@ -185,8 +185,11 @@ def test_every_repeat_obeys_the_definitions(bench_run: BenchRun) -> None:
         for m in row.per_repeat:
             assert m.requests == len(PROMPTS)
             assert m.completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
-            # the first chunk of each request holds the prefill's token; the rest is decode
-            assert m.decode_tokens == m.completion_tokens - m.requests
+            # the first chunk of each request holds the prefill's token, its last chunk (one decode step of up
+            # to CHAIN_NODES + 1 tokens, 1 for ar) is left out; the rest is decode
+            last_step = 1 if row.policy == "ar" else CHAIN_NODES + 1
+            assert m.decode_tokens <= m.completion_tokens - 2 * m.requests
+            assert m.decode_tokens >= m.completion_tokens - (1 + last_step) * m.requests
             assert m.tokens_per_second == pytest.approx(m.completion_tokens / m.wall_seconds)
             assert m.decode_tokens_per_second == pytest.approx(m.decode_tokens / m.decode_seconds)
             # each request decodes inside its batch's generate call
@@ -381,14 +384,37 @@ def test_decode_timing_from_synthetic_chunk_arrivals() -> None:
         ChunkArrival(10.7, 2),  # no new token: skipped
         ChunkArrival(11.1, 5),  # 3 tokens after 0.6 s (since 10.5): 3 samples of 0.2 s
         ChunkArrival(11.3, 6),  # 1 token after 0.2 s
+        ChunkArrival(11.5, 8),  # the last chunk: left out
     ]
     timing = decode_timing(arrivals)
-    assert timing.decode_tokens == 5  # completion_tokens - 1
+    assert timing.decode_tokens == 5  # tokens after the first chunk up to the last but one
     assert timing.decode_seconds == pytest.approx(1.3)
     assert timing.token_latencies == pytest.approx([0.5, 0.2, 0.2, 0.2, 0.2])
     assert sum(timing.token_latencies) == pytest.approx(timing.decode_seconds)
+    # one chunk after the prefill's: that chunk is the decode phase
+    assert decode_timing([ChunkArrival(3.0, 1), ChunkArrival(3.4, 5)]) == DecodeTiming(
+        4, pytest.approx(0.4), (pytest.approx(0.1),) * 4
+    )
     assert decode_timing([ChunkArrival(3.0, 1)]) == DecodeTiming(0, 0.0, ())  # done in its first chunk
     assert decode_timing([]) == DecodeTiming(0, 0.0, ())
+
+
+def _arrivals(emitted_at: list[float]) -> list[ChunkArrival]:
+    """One token per chunk, the i-th (1-based) arriving at emitted_at[i - 1]."""
+    return [ChunkArrival(t, i) for i, t in enumerate(emitted_at, start=1)]
+
+
+def test_decode_timing_is_the_same_with_and_without_the_overlap_schedulers_lag() -> None:
+    """A prefill ending at 1.0 s, then decode steps of 0.1 s with one token each, 10 tokens. Without overlap a
+    token leaves when the step making it ends: 1.0, 1.1, ..., 1.9. SGLang's overlap scheduler sends a step's
+    token after the next step ran: the prefill's at 1.1, ..., the 9th at 1.9, and the 10th 1 ms after the 9th
+    (no step follows). From the first chunk to the last, the overlapped Engine read 0.089 s per token."""
+    step = 0.1
+    plain = [1.0 + step * i for i in range(10)]
+    overlapped = [1.0 + step * (i + 1) for i in range(9)] + [1.0 + step * 9 + 0.001]
+    for emitted_at in (plain, overlapped):
+        timing = decode_timing(_arrivals(emitted_at))
+        assert timing.decode_seconds / timing.decode_tokens == pytest.approx(step)
 
 
 def test_pooled_timing_and_percentiles() -> None:
@@ -433,7 +459,8 @@ def test_stream_batch_groups_interleaved_chunks_by_index() -> None:
     assert (first.completion_tokens, first.verify_passes) == (4, 3)
     assert (second.completion_tokens, second.verify_passes) == (4, 2)
     measured = Measured.of([first, second], 1.0, None)
-    assert (measured.completion_tokens, measured.verify_passes, measured.decode.decode_tokens) == (8, 5, 6)
+    # decode tokens: 2 of the first request (its last chunk left out), 3 of the second (one decode chunk)
+    assert (measured.completion_tokens, measured.verify_passes, measured.decode.decode_tokens) == (8, 5, 5)
 
 
 def test_batch_bounds_cover_every_prompt_once_in_order() -> None:

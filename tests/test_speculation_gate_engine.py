@@ -4,10 +4,11 @@ Tiny random Qwen3 target and DFlash drafter (tests/engine_support.py) with the t
 (tests/oracle_drafter.py) in three roles: right (the drafter proposes the target's own continuation),
 wrong (it confidently proposes a token that is never the target's), switching (right for 64 emitted tokens,
 wrong for the next 64, ...). One BASTION Engine with metrics on serves, in order: the right prompts, the
-wrong prompts, the switching prompts, then all of them in one batch of 8. After each call the decode-step
-counters (`sglang:bastion_decode_steps_total{mode}`) say how its steps went:
+wrong prompts, one wrong prompt alone (40 tokens), the switching prompts, then all of them in one batch of 8.
+After each call the decode-step counters (`sglang:bastion_decode_steps_total{mode}`) say how its steps went:
 - right: every step speculates, with long accepted paths;
 - wrong: after the first probes the drafter is skipped (most steps draft nothing);
+- one wrong prompt: exactly one step per token after the first, all counted by the time the call returns;
 - switching: both speculative and skipped steps (the gate backs off, then resumes);
 and every output equals the Engine without speculation, token for token.
 
@@ -32,6 +33,7 @@ from engine_support import PROMPTS, engine_server_args, first_difference, make_m
 from oracle_drafter import load_records, write_references  # noqa: E402
 
 from bastion_sglang.config import BastionConfig  # noqa: E402
+from bastion_sglang.metrics import FLUSH_STEPS  # noqa: E402
 from bastion_sglang.registration import make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -40,6 +42,9 @@ RIGHT, WRONG, SWITCHING = [0, 1], [2, 3], [4, 5, 6, 7]
 MAX_NEW_TOKENS = 512
 SWITCH_PERIOD = 64
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+ONE_REQUEST = {**GREEDY, "max_new_tokens": 2 * FLUSH_STEPS + 8}
+"""A single request whose decode steps (max_new_tokens - 1) are not a multiple of FLUSH_STEPS: some of its
+steps' metrics are still held when its last step ends."""
 STEPS_METRIC = "sglang:bastion_decode_steps"
 MODES = ("speculative", "declined", "skipped")
 WARMUP_STEPS = 6
@@ -130,14 +135,15 @@ def bastion(
         engine = sglang.Engine(server_args=engine_server_args(models, config, enable_metrics=True))
         calls: dict[str, Call] = {}
         try:
-            for name, indices in (
-                ("right", RIGHT),
-                ("wrong", WRONG),
-                ("switching", SWITCHING),
-                ("all", list(range(len(PROMPTS)))),
+            for name, indices, params in (
+                ("right", RIGHT, GREEDY),
+                ("wrong", WRONG, GREEDY),
+                ("one wrong", WRONG[:1], ONE_REQUEST),
+                ("switching", SWITCHING, GREEDY),
+                ("all", list(range(len(PROMPTS))), GREEDY),
             ):
                 before = decode_steps(metrics_dir)
-                outputs = engine.generate(input_ids=[PROMPTS[i] for i in indices], sampling_params=GREEDY)
+                outputs = engine.generate(input_ids=[PROMPTS[i] for i in indices], sampling_params=params)
                 after = decode_steps(metrics_dir)
                 steps = {mode: after[mode] - before[mode] for mode in MODES}
                 calls[name] = ([out["output_ids"] for out in outputs], steps)
@@ -178,6 +184,18 @@ def test_a_drafter_that_never_matches_is_skipped(bastion: dict[str, Call]) -> No
     total = sum(steps.values())
     assert total >= MAX_NEW_TOKENS - 1  # one token per step: nothing is ever accepted
     assert steps["skipped"] > 0.8 * total, steps
+
+
+def test_a_response_arrives_after_its_steps_are_counted(
+    bastion: dict[str, Call], reference: list[list[int]]
+) -> None:
+    """The metrics held for batching are written before a finished request's output leaves the scheduler:
+    right after `generate` returns, the counters hold every decode step of the request (one token per step,
+    the wrong drafter is never accepted), not only the FLUSH_STEPS-step blocks written so far."""
+    outputs, steps = bastion["one wrong"]
+    tokens = ONE_REQUEST["max_new_tokens"]
+    assert outputs[0] == reference[WRONG[0]][:tokens]
+    assert sum(steps.values()) == tokens - 1, steps
 
 
 def test_switching_text_moves_between_skipping_and_speculating(bastion: dict[str, Call]) -> None:

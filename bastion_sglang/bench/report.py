@@ -3,15 +3,18 @@
 Per policy, temperature and repeat (`RepeatMeasurement`):
 - wall tokens/s: completion tokens / wall seconds of the generate calls (first call to last chunk; prefill and
   queueing included, engine start-up and warm-up excluded);
-- decode tokens/s: Σ decode tokens / Σ decode seconds over the requests, where a request's decode seconds are
-  the arrival of its last token-carrying chunk minus that of its first chunk, and its decode tokens are the
-  tokens that arrived after its first chunk (completion_tokens - 1, the first chunk holding the prefill's
-  token). Prefill excluded. A per-request rate: with `--concurrency c` requests decode side by side, so the
-  Engine's aggregate decode rate is up to c times it;
-- per-token latency p50 / p90 (ms): each chunk after a request's first, carrying k new tokens g seconds after
-  that request's previous token-carrying chunk, gives k samples g / k (a verify pass commits several tokens at
-  once); percentiles (linear interpolation) over the samples of all the requests. Σ samples = Σ decode
-  seconds, so their mean is 1 / decode tokens/s.
+- decode tokens/s: Σ decode tokens / Σ decode seconds over the requests, where a request's decode seconds
+  are the arrival of its last but one token-carrying chunk minus that of its first chunk, and its decode
+  tokens are the tokens that arrived in between (after the first chunk, which holds the prefill's token, up
+  to that chunk). The last chunk is left out (when at least two came after the first) because SGLang's overlap
+  scheduler sends a step's tokens after the next step ran: its first chunk comes one decode step late and its
+  last right behind the one before (`streaming.decode_timing`), which timed an overlapped Engine over one
+  step fewer than it emitted tokens in. Prefill excluded. A per-request rate: with `--concurrency c` requests
+  decode side by side, so the Engine's aggregate decode rate is up to c times it;
+- per-token latency p50 / p90 (ms): each chunk after a request's first (up to the last but one, as above),
+  carrying k new tokens g seconds after that request's previous token-carrying chunk, gives k samples g / k (a
+  verify pass commits several tokens at once); percentiles (linear interpolation) over the samples of all the
+  requests. Σ samples = Σ decode seconds, so their mean is 1 / decode tokens/s.
 
 Per policy and temperature (`BenchRow`), over the repeats:
 - medians, with min and max (each repeat's values under `per_repeat`): decode tokens/s and wall tokens/s; the
@@ -98,8 +101,12 @@ class RepeatMeasurement(BaseModel):
     verify_passes: int | None = Field(description="Σ meta_info spec_verify_ct; None for ar")
     wall_seconds: float = Field(gt=0, description="wall time of the generate calls, seconds")
     tokens_per_second: float = Field(ge=0, description="completion_tokens / wall_seconds (prefill included)")
-    decode_tokens: int = Field(gt=0, description="Σ per request: tokens that arrived after its first chunk")
-    decode_seconds: float = Field(gt=0, description="Σ per request: last token's arrival - first's, seconds")
+    decode_tokens: int = Field(
+        gt=0, description="Σ per request: tokens that arrived after its first chunk, up to its last but one"
+    )
+    decode_seconds: float = Field(
+        gt=0, description="Σ per request: last but one token-carrying chunk's arrival - first's, seconds"
+    )
     decode_tokens_per_second: float = Field(gt=0, description="decode_tokens / decode_seconds, per request")
     token_latency_p50_ms: float = Field(ge=0, description="median per-token latency after the prefill, ms")
     token_latency_p90_ms: float = Field(ge=0, description="90th percentile per-token latency, ms")
@@ -167,7 +174,10 @@ class BenchReport(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    format_version: Literal[2] = 2
+    format_version: Literal[3] = Field(
+        default=3,
+        description="3: decode timing leaves each request's last chunk out (2: first to last chunk)",
+    )
     created: str = Field(description="UTC time the report was written, ISO 8601")
     settings: BenchSettings
     device: str = Field(description="device name: the GPU's, or 'CPU <model>'")

@@ -55,7 +55,12 @@ def decode_timing(arrivals: Sequence[ChunkArrival]) -> DecodeTiming:
 
     Chunks that bring no new token are skipped; the first token-carrying chunk (the prefill's) starts the
     clock; each later one with k new tokens, g seconds after the previous token-carrying chunk, gives k
-    latency samples of g / k.
+    latency samples of g / k. The last token-carrying chunk is left out when at least two came after the
+    first: under SGLang's overlap scheduler a step's tokens leave after the next step has run, so the first
+    chunk arrives one decode step late while the last arrives right behind its predecessor (no further step
+    runs for a request that ends by length); from the first chunk to the last, an overlapped Engine would be
+    timed over one decode step fewer than the tokens counted, one without overlap over as many. Up to the
+    last but one, both are timed over as many steps as they emit tokens in.
     """
     carrying: list[ChunkArrival] = []
     for chunk in arrivals:
@@ -63,6 +68,8 @@ def decode_timing(arrivals: Sequence[ChunkArrival]) -> DecodeTiming:
             carrying.append(chunk)
     if not carrying:
         return DecodeTiming(0, 0.0, ())
+    if len(carrying) > 2:
+        carrying.pop()
     latencies: list[float] = []
     for previous, chunk in itertools.pairwise(carrying):
         tokens = chunk.completion_tokens - previous.completion_tokens
