@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
 from bastion_sglang.assets import sha256_file
+from bastion_sglang.prompt_sets import PromptSet, interleave_prompts
 
 CALL_LIMIT_BYTES = 64 * 2**20
 """What one command on the GPU machine receives: the working tree and the carried files together."""
@@ -236,13 +237,10 @@ def join(stash: Path, dest: Path) -> Path:
     return dest
 
 
-def write_prompts(dest: Path, sets: Sequence[str] = ("mtbench", "humaneval")) -> int:
-    """Write the held-out prompts of `sets` as JSONL (`{"prompt": first turn}`), taking one of each set in
-    turn, so that the first n lines mix the sets; returns the count."""
-    from bastion_sglang.prompt_sets import load_prompts
-
-    held = [load_prompts(name, "heldout") for name in sets]
-    mixed = [prompts[i] for i in range(max(map(len, held))) for prompts in held if i < len(prompts)]
+def write_prompts(dest: Path, sets: Sequence[PromptSet] = ("mtbench", "humaneval")) -> int:
+    """Write the held-out prompts of `sets` as JSONL (`{"prompt": first turn}`), one of each set in turn
+    (`interleave_prompts`), so that the first n lines mix the sets; returns the count."""
+    mixed = interleave_prompts(sets, "heldout")
     dest.write_text("".join(json.dumps({"prompt": prompt.turns[0]}) + "\n" for prompt in mixed))
     return len(mixed)
 

@@ -193,6 +193,14 @@ def chat_prompt_ids(tokenizer: object, prompt: Prompt) -> list[int]:
     return [int(i) for i in ids]
 
 
+def interleave_prompts(sets: Sequence[PromptSet], split: Split) -> list[Prompt]:
+    """The prompts of several named sets in the given split, one of each set in turn (then the rest of the
+    longer sets), so that the first n of them mix the sets evenly."""
+    loaded = [load_prompts(name, split) for name in sets]
+    longest = max(map(len, loaded), default=0)
+    return [prompts[i] for i in range(longest) for prompts in loaded if i < len(prompts)]
+
+
 def plan_prompts(sets: Sequence[str], split: Split, max_per_set: int | None) -> list[Prompt]:
     """The prompts of several sets (names or JSONL paths) in the given split, at most max_per_set of each.
 

@@ -46,6 +46,7 @@ from bastion_sglang.bench.plan import (
     DEFAULT_MAX_BUDGET,
     DEFAULT_POLICIES,
     BenchPolicy,
+    named_sets,
     parse_policies,
     repeat_order,
 )
@@ -300,6 +301,8 @@ def model_dirs(tmp_path: Path) -> tuple[Path, Path]:
         (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
         (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
         (["--temperatures", "0,hot"], "'hot' is not a number"),
+        (["--prompts", "mtbench,humanevil"], "--prompts mtbench,humanevil: 'humanevil' is not one of"),
+        (["--prompts", "mtbench,mtbench"], "--prompts mtbench,mtbench: a set is named twice"),
     ],
 )
 def test_argument_errors(
@@ -314,6 +317,15 @@ def test_argument_errors(
     base = ["bench", "--model-path", str(target), "--draft-model-path", str(drafter), "--device", "cpu"]
     assert cli.main([*base, "--prompts", str(prompts), *options]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_prompts_name_sets_or_a_file(tmp_path: Path) -> None:
+    assert named_sets("mtbench") == ("mtbench",)
+    assert named_sets("mtbench, humaneval") == ("mtbench", "humaneval")
+    assert named_sets("mtbnech") is None  # load_prompts names it as an unknown set
+    with_comma = tmp_path / "a,b.jsonl"
+    with_comma.write_text('{"prompt": "hi"}\n')
+    assert named_sets(str(with_comma)) is None
 
 
 @pytest.mark.parametrize(

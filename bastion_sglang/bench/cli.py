@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         default="mtbench",
-        help="humaneval, mtbench, sharegpt, or a JSONL file of {'prompt': ...} / {'turns': [...]} lines",
+        help="humaneval, mtbench, sharegpt, several of them comma-separated (taken in turn, one of each, so "
+        "--num-prompts mixes them), or a JSONL file of {'prompt': ...} / {'turns': [...]} lines",
     )
     parser.add_argument(
         "--split",

@@ -15,13 +15,20 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.config import default_width_buckets
 from bastion_sglang.controller.policies import parse_policy
-from bastion_sglang.prompt_sets import PROMPT_SETS, Prompt, chat_prompt_ids, load_prompts
+from bastion_sglang.prompt_sets import (
+    PROMPT_SETS,
+    Prompt,
+    PromptSet,
+    chat_prompt_ids,
+    interleave_prompts,
+    load_prompts,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,6 +157,22 @@ def _check_model(flag: str, value: str | None) -> str:
     return value
 
 
+def named_sets(spec: str) -> tuple[PromptSet, ...] | None:
+    """The prompt sets of a comma-separated `--prompts` value ("mtbench,humaneval"), or None for a file
+    path; ValueError naming the entry when a list names something else."""
+    if Path(spec).is_file():
+        return None
+    names = [name.strip() for name in spec.split(",")]
+    if len(names) == 1 and names[0] not in PROMPT_SETS:
+        return None
+    for name in names:
+        if name not in PROMPT_SETS:
+            raise ValueError(f"--prompts {spec}: {name!r} is not one of {list(PROMPT_SETS)}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--prompts {spec}: a set is named twice")
+    return tuple(cast("PromptSet", name) for name in names)
+
+
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate the arguments and load the prompts; ValueError or MissingPackageError naming the bad value."""
     from bastion_sglang.calibration.identity import detect_device
@@ -176,12 +199,14 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     model_path = _check_model("--model-path", args.model_path)
     speculative = any(p.kind != "ar" for p in policies)
     draft_path = _check_model("--draft-model-path", args.draft_model_path) if speculative else None
-    named = args.prompts in PROMPT_SETS
+    sets = named_sets(args.prompts)
     prompts_path = Path(args.prompts)
-    if not named and not prompts_path.is_file() and (prompts_path.suffix or len(prompts_path.parts) > 1):
-        raise ValueError(f"--prompts {args.prompts}: no such file (or one of {list(PROMPT_SETS)})")
-    split = args.split or ("heldout" if named else "all")
-    prompts = load_prompts(args.prompts, split=split)
+    if sets is None and not prompts_path.is_file() and (prompts_path.suffix or len(prompts_path.parts) > 1):
+        raise ValueError(f"--prompts {args.prompts}: no such file (or sets of {list(PROMPT_SETS)})")
+    split = args.split or ("heldout" if sets is not None else "all")
+    prompts = (
+        load_prompts(args.prompts, split=split) if sets is None else interleave_prompts(sets, split=split)
+    )
     if args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     if not prompts:
