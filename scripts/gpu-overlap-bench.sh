@@ -7,7 +7,9 @@
 #   scripts/gpu-overlap-bench.sh                 # all four runs
 #   scripts/gpu-overlap-bench.sh off 1           # one overlap setting and concurrency (fits a 10-minute call)
 # TARGET / DRAFTER: the model pair (default: the demo pair, `bastion demo setup --print-path` and
-# models/smollm2-135m-instruct-dflash); OUT: the results folder (default bench-overlap).
+# models/smollm2-135m-instruct-dflash); OUT: the results folder (default bench-overlap). A GPU machine lacks the
+# demo target's package: after scripts/gpu-pair-bench.sh run on the same machine, the converted target is at
+# TARGET=/tmp/bastion-cache/smollm2-135m-instruct.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-/tmp/sglang-src} SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1

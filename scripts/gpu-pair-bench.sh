@@ -8,7 +8,7 @@
 # `run` stashes its folder too, installs the carried wheels and this package into $CARRY_SITE, joins and
 # checks the GGUF (bastion_sglang.gpu_carry), converts it (`bastion demo setup --gguf`) and runs
 # benchmarks/reference_gpu.py into $OUT/pair (default results/pair), its log beside the JSON. Arguments after
-# the folder go to reference_gpu.py after the defaults below, so they override them (e.g. --pair-repeats 3).
+# the folder go to reference_gpu.py after the defaults below, so they override them (e.g. --pair-repeats 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stash=${CARRY_STASH:-/tmp/bastion-carry}
@@ -42,4 +42,4 @@ mkdir -p "$out"
 set -o pipefail
 python3 benchmarks/reference_gpu.py --out "$out" --target "$target" \
     --draft models/smollm2-135m-instruct-dflash --prompts "$stash/prompts.jsonl" --num-prompts 4 \
-    --max-new-tokens 48 --temperatures 0,0.7 --pair-repeats 2 --repeats 3 "$@" 2>&1 | tee "$out/log.txt"
+    --max-new-tokens 48 --temperatures 0,0.7 --pair-repeats 3 --repeats 3 "$@" 2>&1 | tee "$out/log.txt"
