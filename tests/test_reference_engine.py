@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_profiles import COSTS, SERVING_EMA_ALPHA, SERVING_FIT
 from tiny_models import EOS_ID, make_tiny_drafter, make_tiny_target, make_tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.muse_glimmer_assistant import (
@@ -20,6 +21,7 @@ from transformers.models.muse_glimmer_assistant import (
 )
 
 from bastion_sglang.controller import build_trees
+from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.drafter_config import DrafterMismatchError
 from bastion_sglang.kernels import build_verify_layout, flatten_trees, topk_logprobs
@@ -152,8 +154,10 @@ def test_greedy_equals_generate_with_the_dflash_drafter(target: Target, policy: 
     for prompt, reference in zip(target.prompts, target.references, strict=True):
         result = engine.generate(list(prompt), DRAFTER_NEW_TOKENS, policy=policy)
         assert tuple(result.tokens) == reference[:DRAFTER_NEW_TOKENS], (policy, prompt)
-    if policy != "ar":
-        assert all(step.width == step.nodes + 1 and step.nodes >= 1 for step in result.steps)
+    assert all(step.width == step.nodes + 1 for step in result.steps)
+    resolved = engine.resolve_policy(policy)
+    if resolved is not None and not resolved.may_decline:  # those that may: test_adaptive_skips_...
+        assert all(step.nodes >= 1 for step in result.steps)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -169,6 +173,67 @@ def test_greedy_equals_generate_with_long_accepted_paths(target: Target, policy:
         assert mean_tau <= 2.0
     else:
         assert mean_tau > 4.0, (policy, taus)
+
+
+SKIP_TOKENS = 300
+"""Long enough for the gate to skip the drafter, then refresh-probe it (`max_refresh`: 256 steps at most)."""
+
+
+def test_adaptive_skips_a_drafter_that_does_not_pay_and_keeps_its_context(target: Target) -> None:
+    """The random-weight drafter's flat distributions (Â near 1) never pay for a drafter pass: after its first
+    drafted steps adaptive decodes plainly, skipping the drafter, and a refresh probe later drafts again from
+    a context that holds every committed position's target features; the output is plain decoding's."""
+    engine = engine_for(target, target.drafter_path)
+    assert isinstance(engine.proposer, DFlashProposer)
+    prompt = target.prompts[0]
+    reference = greedy(target.model, prompt, SKIP_TOKENS)
+    state = engine.start(list(prompt), SKIP_TOKENS, policy="adaptive")
+    steps = []
+    while not state.finished:
+        steps.append(engine.step(state))
+        if len(steps) > 1 and steps[-1].draft is not None and steps[-2].draft is None:
+            break  # the first probe after skipped steps: its drafter pass read the skipped positions
+    first_skip = next(index for index, step in enumerate(steps) if step.draft is None)
+    probe = len(steps) - 1
+    assert first_skip <= 4 and steps[probe].draft is not None, (first_skip, probe)
+    assert probe - first_skip > 16  # a run of skipped steps, not one at a time
+    assert all(step.draft is None and step.nodes == 0 for step in steps[first_skip:probe])
+    assert state.gate is not None and state.gate.skipped_share > 0.5
+
+    drafter, context = engine.proposer.drafter, engine.proposer.cache
+    assert context is not None and context.length == state.ctx_len - state.new_features.shape[0]
+    features = TargetModel(target.model, drafter.config.target_layer_ids)
+    capacity = len(prompt) + SKIP_TOKENS + 1
+    plain = features.prefill(features.new_cache(capacity), state.tokens[: context.length]).features
+    fresh = drafter.new_cache(capacity)
+    drafter.append_context(fresh, plain)
+    torch.testing.assert_close(
+        context.keys[:, :, : context.length], fresh.keys[:, :, : fresh.length], rtol=1e-4, atol=1e-4
+    )
+
+    while not state.finished:
+        steps.append(engine.step(state))
+    assert tuple(state.output) == reference
+
+
+def test_adaptive_with_an_oracle_never_skips(target: Target) -> None:
+    """Planned on a serving engine's latency and step costs (not this machine's timings), an oracle's trees
+    pay at every step: adaptive drafts and verifies a tree every step."""
+    oracle = OracleProposer(target.sequences(), target.model.config.vocab_size)
+    roofline = engine_for(target, oracle).latency.roofline
+    engine = ReferenceEngine(
+        target.model,
+        oracle,  # type: ignore[arg-type]
+        device=CPU,
+        dtype=torch.float32,
+        latency=LatencyModel(roofline, SERVING_FIT, ema_alpha=SERVING_EMA_ALPHA),
+        step_costs=COSTS,
+        max_nodes=63,
+    )
+    for prompt, reference in zip(target.prompts, target.references, strict=True):
+        result = engine.generate(list(prompt), NEW_TOKENS, policy="adaptive")
+        assert tuple(result.tokens) == reference
+        assert all(step.draft is not None and step.nodes >= 1 for step in result.steps), prompt
 
 
 def test_trees_accept_past_a_corrupted_depth_where_a_chain_stops(target: Target) -> None:

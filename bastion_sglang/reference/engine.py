@@ -15,6 +15,14 @@ token at position ctx:
    the accepted tokens and the bonus are emitted; the accepted positions' target features go to the
    drafter next step; the measured verify time updates the latency model's EMA.
 
+Declining to speculate. A policy that `may_decline` (adaptive) runs with the worker's `SpeculationGate`
+(one per request, batch 1): a drafted step whose best speculative plan does not beat plain decoding
+(`BatchPlan.speculative_speedup` <= 1, drafter pass included) verifies the root only, and the next steps skip
+the drafter and decode plainly until the gate's backoff probes again; before a probe, the request's last
+drafted Â curve re-priced at the current context (`speculation_ceiling`) may veto it. A skipped step keeps
+the target features of its position for the drafter, which reads them at the next drafted step, so the
+drafter's context stays complete. Steps and outputs are those of plain decoding while skipping.
+
 Sampling coupling. At temperature > 0 the uniform used for a node is the one of the output index it
 predicts (`uniforms[emitted + depth]`, drawn once per request from the seeded generator), the same
 uniform plain decoding uses for that index. Each emitted token is the inverse-CDF sample of the target's
@@ -25,7 +33,7 @@ the timing-driven budget choices (up to floating-point differences between the p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ from transformers import PreTrainedModel
 
 from bastion_sglang.controller import BudgetPolicy, build_trees_auto, parse_policy, plan_batch
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.gate import SpeculationCeiling, SpeculationGate, speculation_ceiling
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
@@ -79,6 +88,8 @@ class DecodeState:
     cache: SlotCache  # the target's KV cache: rows 0..length-2 after every step
     uniforms: torch.Tensor | None  # [max_new_tokens + D + 1] float32: one uniform per output index
     new_features: torch.Tensor | None = None  # [n, F·h] features of cache positions not yet drafted from
+    gate: SpeculationGate | None = None  # a policy that may decline: whether each step drafts
+    accept_curve: tuple[float, ...] | None = None  # [N + 1] Â(n) of the last drafted step, for the ceiling
     output: list[int] = field(default_factory=list)
     finished: bool = False
     prefill_seconds: float = 0.0
@@ -300,6 +311,7 @@ class ReferenceEngine:
             topk=topk,
             cache=self.target.new_cache(prompt_len + max_new_tokens + self._verify_width(budget)),
             uniforms=uniforms,
+            gate=SpeculationGate() if budget_policy is not None and budget_policy.may_decline else None,
         )
         if budget_policy is not None and self.proposer is not None:
             self.proposer.start(prompt_len + max_new_tokens + 1)
@@ -318,7 +330,18 @@ class ReferenceEngine:
             raise ValueError("the request has finished; start a new one")
         if state.policy is None:
             return self._plain_step(state)
+        if state.gate is not None and not state.gate.should_draft(self._ceiling(state)):
+            return self._plain_step(state)
         return self._speculative_step(state, state.policy)
+
+    def _ceiling(self, state: DecodeState) -> Callable[[], SpeculationCeiling] | None:
+        """The gate's ceiling for the next step: the last drafted step's Â curve priced at this context and
+        step costs (None before the first drafted step)."""
+        curve = state.accept_curve
+        if curve is None:
+            return None
+        ctx = state.ctx_len
+        return lambda: speculation_ceiling(curve, [ctx], self.latency, self._costs_now(ctx))
 
     @staticmethod
     def _pick(logits: torch.Tensor, state: DecodeState, index: int) -> torch.Tensor:
@@ -328,7 +351,8 @@ class ReferenceEngine:
         return sample_tokens(state.sampling.probs(logits), state.uniforms[index : index + 1])
 
     def _plain_step(self, state: DecodeState) -> StepStats:
-        """One token of plain autoregressive decoding."""
+        """One token of plain autoregressive decoding; under a policy (a step the gate skipped) the position's
+        target features are kept for the drafter's next pass."""
         ctx = state.ctx_len
         predicted = self.latency.predict_plain(ctx)
         timer = StageTimer(self.device)
@@ -342,6 +366,8 @@ class ReferenceEngine:
         with timer.stage("accept"):
             token = self._pick(out.logits, state, len(state.output))
             emitted = state.commit(token, token.tolist())  # host sync: the token decides whether to stop
+            if state.policy is not None and out.features is not None and state.new_features is not None:
+                state.new_features = torch.cat([state.new_features, out.features])
         seconds = timer.finish()
         self.latency.observe_plain(ctx, seconds.verify)
         return StepStats(ctx, 0, 1, 1.0, 0, emitted, predicted, seconds)
@@ -361,7 +387,19 @@ class ReferenceEngine:
                 proposal.logprobs if self.acceptance is None else self.acceptance.apply(proposal.logprobs)
             )
             trees = build_trees_auto(logprobs, proposal.token_ids, state.budget)
-            plan = plan_batch(trees, [ctx], self.latency, self._costs_now(ctx), policy)  # host sync: scores
+            gate = state.gate
+            plan = plan_batch(  # host sync: scores
+                trees,
+                [ctx],
+                self.latency,
+                self._costs_now(ctx),
+                policy,
+                # a backoff probe verifies its tree whatever the estimate, as the worker's does
+                allow_plain=gate is not None and not gate.verifies_probe,
+            )
+            if gate is not None:
+                gate.record(plan.speculative_speedup)
+                state.accept_curve = plan.accept_curve
             nodes, expected = plan.node_counts[0], plan.expected_accept[0]
             width = nodes + 1
             rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], width)
