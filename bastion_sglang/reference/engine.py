@@ -15,13 +15,13 @@ token at position ctx:
    the accepted tokens and the bonus are emitted; the accepted positions' target features go to the
    drafter next step; the measured verify time updates the latency model's EMA.
 
-Declining to speculate. A policy that `may_decline` (adaptive) runs with the worker's `SpeculationGate`
-(one per request, batch 1): a drafted step whose best speculative plan does not beat plain decoding
-(`BatchPlan.speculative_speedup` <= 1, drafter pass included) verifies the root only, and the next steps skip
-the drafter and decode plainly until the gate's backoff probes again; before a probe, the request's last
-drafted Â curve re-priced at the current context (`speculation_ceiling`) may veto it. A skipped step keeps
-the target features of its position for the drafter, which reads them at the next drafted step, so the
-drafter's context stays complete. Steps and outputs are those of plain decoding while skipping.
+Declining to speculate. A policy that `may_decline` (adaptive, bucketed) runs with the worker's
+`SpeculationGate` (one per request, batch 1): a drafted step whose best speculative plan does not beat plain
+decoding (`BatchPlan.speculative_speedup` <= 1, drafter pass included) verifies the root only, and the next
+steps skip the drafter and decode plainly until the gate's backoff probes again; before a probe, the
+request's last drafted Â curve re-priced at the current context (`speculation_ceiling`) may veto it. A
+skipped step keeps the target features of its position for the drafter, which reads them at the next drafted
+step, so the drafter's context stays complete. Steps and outputs are those of plain decoding while skipping.
 
 Sampling coupling. At temperature > 0 the uniform used for a node is the one of the output index it
 predicts (`uniforms[emitted + depth]`, drawn once per request from the seeded generator), the same
