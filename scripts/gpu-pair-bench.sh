@@ -39,7 +39,6 @@ export PYTHONPATH=$site PYTHONUNBUFFERED=1
 gguf=$(python3 -m bastion_sglang.gpu_carry join --stash "$stash")
 target=$(python3 -m bastion_sglang.cli demo setup --cache-dir /tmp/bastion-cache --gguf "$gguf" --print-path)
 mkdir -p "$out"
-set -o pipefail
 python3 benchmarks/reference_gpu.py --out "$out" --target "$target" \
     --draft models/smollm2-135m-instruct-dflash --prompts "$stash/prompts.jsonl" --num-prompts 4 \
     --max-new-tokens 48 --temperatures 0,0.7 --pair-repeats 3 --repeats 3 "$@" 2>&1 | tee "$out/log.txt"
