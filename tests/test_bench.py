@@ -186,11 +186,11 @@ def test_every_repeat_obeys_the_definitions(bench_run: BenchRun) -> None:
         for m in row.per_repeat:
             assert m.requests == len(PROMPTS)
             assert m.completion_tokens == len(PROMPTS) * MAX_NEW_TOKENS
-            # the first chunk of each request holds the prefill's token, its last chunk (one decode step of up
-            # to CHAIN_NODES + 1 tokens, 1 for ar) is left out; the rest is decode
-            last_step = 1 if row.policy == "ar" else CHAIN_NODES + 1
-            assert m.decode_tokens <= m.completion_tokens - 2 * m.requests
-            assert m.decode_tokens >= m.completion_tokens - (1 + last_step) * m.requests
+            # the first chunk of each request holds the prefill's token (never decode), its last chunk is
+            # left out when two or more came after the first, the rest is decode; SGLang hands a reader that
+            # lags the latest state (queued chunks coalesced), so a chunk may hold several steps and only
+            # bounds that hold for any chunking are asserted here (the exact rule: the synthetic tests below)
+            assert m.requests <= m.decode_tokens <= m.completion_tokens - m.requests
             assert m.tokens_per_second == pytest.approx(m.completion_tokens / m.wall_seconds)
             assert m.decode_tokens_per_second == pytest.approx(m.decode_tokens / m.decode_seconds)
             # each request decodes inside its batch's generate call
