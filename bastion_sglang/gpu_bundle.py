@@ -177,7 +177,9 @@ def download_wheels(dest: Path, requirements: Path = WHEEL_REQUIREMENTS) -> tupl
 
 
 def folder_bytes(folder: Path) -> int:
-    """Total size of the files under `folder`."""
+    """Total size of the files under `folder` (or of `folder` itself when it is a file)."""
+    if folder.is_file():
+        return folder.stat().st_size
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 

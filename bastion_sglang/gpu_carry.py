@@ -36,7 +36,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
-from bastion_sglang.assets import sha256_file
+from bastion_sglang.assets import SMOLLM2_PACKAGE, MissingPackageError, package_file, sha256_file
+from bastion_sglang.demo import SMOLLM2_GGUF_NAME
+from bastion_sglang.gpu_bundle import download_wheels, folder_bytes
 from bastion_sglang.prompt_sets import PromptSet, interleave_prompts
 
 CALL_LIMIT_BYTES = 64 * 2**20
@@ -127,13 +129,6 @@ def compress(source: Path, dest: Path, preset: int = 6) -> int:
             bar.update(len(chunk))
         writer.write(compressor.flush())
     return dest.stat().st_size
-
-
-def folder_bytes(path: Path) -> int:
-    """Bytes of a file, or of every file under a folder."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(child.stat().st_size for child in path.rglob("*") if child.is_file())
 
 
 def pack(
@@ -250,22 +245,27 @@ def _mib(size: int) -> str:
 
 
 def _pack_command(args: argparse.Namespace) -> int:
-    from bastion_sglang.assets import SMOLLM2_PACKAGE, package_file
-    from bastion_sglang.demo import SMOLLM2_GGUF_NAME
-    from bastion_sglang.gpu_bundle import download_wheels
-
-    source = args.source or package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF_NAME)
-    with tempfile.TemporaryDirectory(prefix="gpu-carry-") as scratch:
-        staging = Path(scratch)
-        wheels = download_wheels(staging / WHEELS_DIRNAME, args.requirements)
-        count = write_prompts(staging / PROMPTS_NAME)
-        manifest = pack(
-            source,
-            args.out,
-            [staging / WHEELS_DIRNAME, staging / PROMPTS_NAME],
-            repository_bytes(),
-            args.limit_mib * 2**20,
-        )
+    """`pack`: exit 1 with the reason when the GGUF's package is absent, pip cannot download the wheels, or
+    the call-1 files do not fit."""
+    try:
+        source = args.source or package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF_NAME)
+        with tempfile.TemporaryDirectory(prefix="gpu-carry-") as scratch:
+            staging = Path(scratch)
+            wheels = download_wheels(staging / WHEELS_DIRNAME, args.requirements)
+            count = write_prompts(staging / PROMPTS_NAME)
+            manifest = pack(
+                source,
+                args.out,
+                [staging / WHEELS_DIRNAME, staging / PROMPTS_NAME],
+                repository_bytes(),
+                args.limit_mib * 2**20,
+            )
+    except subprocess.CalledProcessError as error:
+        print(f"error: {error} (pip download needs the package registries)", file=sys.stderr)
+        return 1
+    except (MissingPackageError, CarryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"{len(wheels)} wheels, {count} held-out prompts; {source.name} in {len(manifest.parts)} parts")
     for call in range(1, manifest.calls + 1):
         folder = args.out / f"call-{call}"
@@ -277,6 +277,7 @@ def _pack_command(args: argparse.Namespace) -> int:
 
 
 def _join_command(args: argparse.Namespace) -> int:
+    """`join`: prints the joined file's path; exit 1 naming the manifest or part that is wrong."""
     try:
         path = join(args.stash, args.out or args.stash / read_manifest(args.stash).source_name)
     except CarryError as error:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from bastion_sglang import gpu_carry
+from bastion_sglang.gpu_bundle import folder_bytes
 from bastion_sglang.gpu_carry import (
     MANIFEST_NAME,
     MANIFEST_RESERVE_BYTES,
     MARGIN_BYTES,
     CarryError,
-    folder_bytes,
     join,
     pack,
     part_sizes,
