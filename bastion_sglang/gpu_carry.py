@@ -116,19 +116,22 @@ def part_sizes(total: int, first_room: int, room: int) -> list[int]:
     return sizes
 
 
-def compress(source: Path, dest: Path, preset: int = 6) -> int:
-    """Write `source` xz-compressed to `dest` with a progress bar; returns the compressed bytes."""
+def compress(source: Path, dest: Path, preset: int = 6) -> tuple[int, str]:
+    """Write `source` xz-compressed to `dest` with a progress bar; returns the compressed bytes and the
+    source's SHA-256 (hashed as it is read)."""
     compressor = lzma.LZMACompressor(preset=preset)
+    digest = hashlib.sha256()
     with (
         source.open("rb") as reader,
         dest.open("wb") as writer,
         tqdm(total=source.stat().st_size, unit="B", unit_scale=True, desc=f"xz {source.name}") as bar,
     ):
         while chunk := reader.read(CHUNK_BYTES):
+            digest.update(chunk)
             writer.write(compressor.compress(chunk))
             bar.update(len(chunk))
         writer.write(compressor.flush())
-    return dest.stat().st_size
+    return dest.stat().st_size, digest.hexdigest()
 
 
 def pack(
@@ -154,11 +157,13 @@ def pack(
         shutil.rmtree(out)
     out.mkdir(parents=True)
     compressed = out / f"{source.name}.xz"
-    total = compress(source, compressed)
+    total, source_sha256 = compress(source, compressed)
+    first_room = room - extras
+    first_call = 1 if first_room > 0 else 2  # call-1 full with its files: parts start in call-2
     parts: list[CarryPart] = []
     with compressed.open("rb") as reader:
-        for index, size in enumerate(part_sizes(total, room - extras, room), start=1):
-            call = index if room - extras > 0 else index + 1
+        for index, size in enumerate(part_sizes(total, first_room, room), start=1):
+            call = first_call + index - 1
             folder = out / f"call-{call}"
             folder.mkdir(exist_ok=True)
             part = folder / f"{compressed.name}.{index:02d}"
@@ -175,7 +180,7 @@ def pack(
     manifest = CarryManifest(
         source_name=source.name,
         source_size=source.stat().st_size,
-        source_sha256=sha256_file(source),
+        source_sha256=source_sha256,
         parts=tuple(parts),
         calls=parts[-1].call,
         repository_bytes=repo_bytes,
@@ -195,13 +200,15 @@ def read_manifest(stash: Path) -> CarryManifest:
         raise CarryError(f"{path}: no valid carry manifest: {error}") from error
 
 
-def join(stash: Path, dest: Path) -> Path:
-    """Check every part in `stash`, decompress them in order into `dest`, check its size and SHA-256.
+def join(stash: Path, dest: Path | None = None) -> Path:
+    """Check every part in `stash`, decompress them in order into `dest` (None: the original's file name in
+    `stash`), check its size and SHA-256; returns the joined file.
 
     Raises CarryError naming the part that is missing, of another size or another hash (nothing is written
     then), or the result when it differs from the original; `dest` is written through a temporary name.
     """
     manifest = read_manifest(stash)
+    dest = dest if dest is not None else stash / manifest.source_name
     for part in manifest.parts:
         path = stash / part.file
         if not path.is_file():
@@ -279,7 +286,7 @@ def _pack_command(args: argparse.Namespace) -> int:
 def _join_command(args: argparse.Namespace) -> int:
     """`join`: prints the joined file's path; exit 1 naming the manifest or part that is wrong."""
     try:
-        path = join(args.stash, args.out or args.stash / read_manifest(args.stash).source_name)
+        path = join(args.stash, args.out)
     except CarryError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

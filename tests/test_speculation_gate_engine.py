@@ -4,8 +4,9 @@ Tiny random Qwen3 target and DFlash drafter (tests/engine_support.py) with the t
 (tests/oracle_drafter.py) in three roles: right (the drafter proposes the target's own continuation),
 wrong (it confidently proposes a token that is never the target's), switching (right for 64 emitted tokens,
 wrong for the next 64, ...). One BASTION Engine with metrics on serves, in order: the right prompts, the
-wrong prompts, one wrong prompt alone (40 tokens), the switching prompts, then all of them in one batch of 8.
-After each call the decode-step counters (`sglang:bastion_decode_steps_total{mode}`) say how its steps went:
+wrong prompts, one wrong prompt alone (2 · FLUSH_STEPS + 8 tokens), the switching prompts, then all of them
+in one batch of 8. After each call the decode-step counters (`sglang:bastion_decode_steps_total{mode}`)
+say how its steps went:
 - right: every step speculates, with long accepted paths;
 - wrong: after the first probes the drafter is skipped (most steps draft nothing);
 - one wrong prompt: exactly one step per token after the first, all counted by the time the call returns;
