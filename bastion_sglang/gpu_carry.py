@@ -46,8 +46,8 @@ CALL_LIMIT_BYTES = 64 * 2**20
 MARGIN_BYTES = 2**20
 """Left free in every call (git's view of the tree and the transfer's count of it may differ slightly)."""
 MANIFEST_NAME = "carry.json"
-MANIFEST_RESERVE_BYTES = 64 * 2**10
-"""Room kept in every call for its `carry.json`."""
+MANIFEST_RESERVE_BYTES = 4 * 2**10
+"""Room kept in every call for its `carry.json` (647 bytes with two parts; about 170 more per part)."""
 PROMPTS_NAME = "prompts.jsonl"
 WHEELS_DIRNAME = "wheels"
 REPO_ROOT = Path(__file__).resolve().parent.parent

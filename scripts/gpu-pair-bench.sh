@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The reference-engine bench of the demo pair on a GPU machine with no network: every policy of the CPU
 # bench's table (ar, chain, fixed:1..256, adaptive) at T = 0 and 0.7, decode tokens/s, adaptive against the
-# best fixed budget. The demo target does not fit one call beside the repository, so it goes in two:
-#   scripts/gpu-pair-bench.sh pack                       # here: .gpu-carry/call-1 and call-2, sizes printed
-#   scripts/gpu-pair-bench.sh stash .gpu-carry/call-1    # there, in a call that carries .gpu-carry/call-1
-#   scripts/gpu-pair-bench.sh run .gpu-carry/call-2      # there, next call on the same machine, carrying call-2
+# best fixed budget. The demo target does not fit one call beside the repository, so it goes in several (two
+# while the repository's tracked files stay under about 18.4 MiB; `pack` prints them):
+#   scripts/gpu-pair-bench.sh pack                       # here: .gpu-carry/call-1, call-2, .., sizes printed
+#   scripts/gpu-pair-bench.sh stash .gpu-carry/call-1    # there, one call per folder but the last, carrying it
+#   scripts/gpu-pair-bench.sh run .gpu-carry/call-2      # there, the last folder, next call on the same machine
 # `run` stashes its folder too, installs the carried wheels and this package into $CARRY_SITE, joins and
 # checks the GGUF (bastion_sglang.gpu_carry), converts it (`bastion demo setup --gguf`) and runs
 # benchmarks/reference_gpu.py into $OUT/pair (default results/pair), its log beside the JSON. Arguments after
