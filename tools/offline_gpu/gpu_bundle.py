@@ -7,7 +7,7 @@ The folder (default `.gpu-bundle/`, git-ignored) holds:
   `requirements/gpu-bundle.txt` (`download_wheels`), installed there with `pip install --no-index`;
 - `manifest.json`: what was kept and dropped, with sizes (`BundleReport`).
 
-What the trim drops and why (checked by `tests/test_gpu_bundle.py`, which imports the serving path
+What the trim drops and why (checked by `tests/offline_gpu/test_gpu_bundle.py`, which imports the serving path
 from a trimmed tree):
 - compiled extensions (`*.so`): the Rust HTTP/gRPC servers, benchmarks and multimodal helpers are off
   the serving path, and without the Rust TreeCore SGLang selects its Python TreeCore
@@ -16,7 +16,8 @@ from a trimmed tree):
 - model files other than `KEPT_MODELS`: SGLang's model registry imports every module of
   `sglang.srt.models` and skips those that are absent, so only the architectures kept can be served.
 
-`python -m bastion_sglang.gpu_bundle --help` (or `scripts/gpu-bundle.sh`) builds it.
+`tools/offline_gpu/gpu-bundle.sh --help` (`python -m offline_gpu.gpu_bundle` with `tools/` on PYTHONPATH)
+builds it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from offline_gpu import REPO_ROOT
+
 SGLANG_VERSION = "0.5.23"
 PYTHON_VERSION = "3.12"
 """The GPU image's Python (its wheels must be cp312 or pure Python)."""
@@ -46,7 +49,6 @@ PLATFORMS = (
 SGLANG_PLATFORMS = ("manylinux_2_34_x86_64", *PLATFORMS)
 """SGLang's wheel is tagged manylinux_2_34; only its Python sources are kept, so the tag does not matter."""
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEEL_REQUIREMENTS = REPO_ROOT / "requirements" / "gpu-bundle.txt"
 SOURCES_ARCHIVE = "sglang-src.tar.gz"
 WHEELS_DIR = "wheels"
@@ -213,7 +215,7 @@ def _mib(size: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bastion_sglang.gpu_bundle",
+        prog="python -m offline_gpu.gpu_bundle",
         description="Build the folder carrying trimmed SGLang sources and missing wheels to the GPU machine.",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".gpu-bundle", help="bundle folder")

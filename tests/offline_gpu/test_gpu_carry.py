@@ -13,10 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from bastion_sglang import gpu_carry
-from bastion_sglang.gpu_bundle import folder_bytes
-from bastion_sglang.gpu_carry import (
+from offline_gpu import gpu_carry
+from offline_gpu.gpu_bundle import folder_bytes
+from offline_gpu.gpu_carry import (
     MANIFEST_NAME,
     MANIFEST_RESERVE_BYTES,
     MARGIN_BYTES,
@@ -28,6 +27,7 @@ from bastion_sglang.gpu_carry import (
     repository_bytes,
     write_prompts,
 )
+
 from bastion_sglang.prompt_sets import load_prompts
 
 ROOM = 150_000

@@ -3,15 +3,15 @@
 # bench's table (ar, chain, fixed:1..256, adaptive) at T = 0 and 0.7, decode tokens/s, adaptive against the
 # best fixed budget. The demo target does not fit one call beside the repository, so it goes in several (two
 # while the repository's tracked files stay under about 18.4 MiB; `pack` prints them):
-#   scripts/gpu-pair-bench.sh pack                       # here: .gpu-carry/call-1, call-2, .., sizes printed
-#   scripts/gpu-pair-bench.sh stash .gpu-carry/call-1    # there, one call per folder but the last, carrying it
-#   scripts/gpu-pair-bench.sh run .gpu-carry/call-2      # there, the last folder, next call on the same machine
+#   tools/offline_gpu/gpu-pair-bench.sh pack                       # here: .gpu-carry/call-1, call-2, .., sizes printed
+#   tools/offline_gpu/gpu-pair-bench.sh stash .gpu-carry/call-1    # there, one call per folder but the last, carrying it
+#   tools/offline_gpu/gpu-pair-bench.sh run .gpu-carry/call-2      # there, the last folder, next call on the same machine
 # `run` stashes its folder too, installs the carried wheels and this package into $CARRY_SITE, joins and
-# checks the GGUF (bastion_sglang.gpu_carry), converts it (`bastion demo setup --gguf`) and runs
+# checks the GGUF (offline_gpu.gpu_carry), converts it (`bastion demo setup --gguf`) and runs
 # benchmarks/reference_gpu.py into $OUT/pair (default results/pair), its log beside the JSON. Arguments after
 # the folder go to reference_gpu.py after the defaults below, so they override them (e.g. --pair-repeats 2).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 stash=${CARRY_STASH:-/tmp/bastion-carry}
 site=${CARRY_SITE:-/tmp/bastion-site}
 out=${OUT:-results}/pair
@@ -22,7 +22,7 @@ shift
 if [ "$command" = pack ]; then
     python=.venv/bin/python
     [ -x "$python" ] || python=python3
-    exec "$python" -m bastion_sglang.gpu_carry pack "$@"
+    PYTHONPATH=tools exec "$python" -m offline_gpu.gpu_carry pack "$@"
 fi
 [ "$command" = stash ] || [ "$command" = run ] || { echo "$usage" >&2; exit 2; }
 folder=${1:?$usage}
@@ -37,7 +37,7 @@ pip=(python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --upgrad
 "${pip[@]}" --no-compile "$stash"/wheels/*.whl
 "${pip[@]}" --no-build-isolation .
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
-gguf=$(python3 -m bastion_sglang.gpu_carry join --stash "$stash")
+gguf=$(PYTHONPATH=tools:$site python3 -m offline_gpu.gpu_carry join --stash "$stash")
 target=$(python3 -m bastion_sglang.cli demo setup --cache-dir /tmp/bastion-cache --gguf "$gguf" --print-path)
 mkdir -p "$out"
 python3 benchmarks/reference_gpu.py --out "$out" --target "$target" \

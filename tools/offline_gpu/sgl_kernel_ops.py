@@ -2,10 +2,11 @@
 
 On CUDA, SGLang imports these names from `sgl_kernel` at module level (`layers/layernorm.py`,
 `layers/activation.py`, `layers/sampler.py`, `layers/attention/triton_backend.py`,
-`model_executor/runner_backend_utils/weak_ref_tensor.py`). Where sglang-kernel is not installed,
-`bastion_sglang.sgl_kernel_finder` serves the module `sgl_kernel` from the tables below. Each function
-keeps sglang-kernel's signature (including the optional preallocated `out` and the ignored `enable_pdl`)
-and is plain torch, so it runs on any device; the arithmetic is done in float32 and cast back, as the
+`model_executor/runner_backend_utils/weak_ref_tensor.py`). Where sglang-kernel is not installed and
+`tools/offline_gpu/gpu-install.sh` put its hook in place, `offline_gpu.sgl_kernel_finder` serves the module
+`sgl_kernel` from the tables below (warning once per process that it does). Each function keeps
+sglang-kernel's signature (including the optional preallocated `out` and the ignored `enable_pdl`) and is
+plain torch, so it runs on any device; the arithmetic is done in float32 and cast back, as the
 CUDA kernels do.
 
 `PLACEHOLDER_NAMES` lists the names SGLang imports at module level on CUDA for paths a dense bf16 model

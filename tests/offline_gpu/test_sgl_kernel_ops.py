@@ -1,16 +1,18 @@
 """BASTION's torch stand-ins for sglang-kernel: each equals a plain torch formula; the finder serves them
-only where no real `sgl_kernel` is importable."""
+only where no real `sgl_kernel` is importable, only where its `.pth` file was written on purpose, and says
+so once per process."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-
-from bastion_sglang import sgl_kernel_finder, sgl_kernel_ops
+from offline_gpu import sgl_kernel_finder, sgl_kernel_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -125,9 +127,12 @@ def clean_sgl_kernel() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("clean_sgl_kernel")
-def test_finder_serves_the_stand_ins_only_where_sgl_kernel_is_absent(tmp_path: Path, monkeypatch) -> None:
-    sgl_kernel_finder.install()
-    sgl_kernel_finder.install()
+def test_finder_serves_the_stand_ins_only_where_sgl_kernel_is_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=sgl_kernel_finder.__name__)
+    sgl_kernel_finder.install("the test")
+    sgl_kernel_finder.install("a second install")
     assert sum(isinstance(f, sgl_kernel_finder.SglKernelFallbackFinder) for f in sys.meta_path) == 1
     assert sys.meta_path[-1].__class__ is sgl_kernel_finder.SglKernelFallbackFinder
 
@@ -136,6 +141,9 @@ def test_finder_serves_the_stand_ins_only_where_sgl_kernel_is_absent(tmp_path: P
 
     assert silu_and_mul is sgl_kernel_ops.silu_and_mul and rmsnorm is sgl_kernel_ops.rmsnorm
     assert is_arch_support_pdl() is False
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings  # once, though two modules were served
+    assert "torch stand-in" in warnings[0] and "Installed by the test" in warnings[0]
     with pytest.raises(ImportError):
         from sgl_kernel.scalar_type import scalar_types  # noqa: F401  (SGLang falls back on ImportError)
     with pytest.raises(ImportError):
@@ -150,3 +158,33 @@ def test_finder_serves_the_stand_ins_only_where_sgl_kernel_is_absent(tmp_path: P
     import sgl_kernel
 
     assert sgl_kernel.REAL is True
+
+
+def _import_sgl_kernel(site: Path | None) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter of this environment imports `sgl_kernel`, after processing `site`'s `.pth` files
+    (as site-packages would at start-up) when `site` is given."""
+    setup = f"import site; site.addsitedir({str(site)!r}); " if site is not None else ""
+    code = setup + "import sgl_kernel; sgl_kernel.silu_and_mul; print(sgl_kernel.__doc__)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_no_stand_in_without_the_pth_file() -> None:
+    """This environment never ran gpu-install.sh: `sgl_kernel` is simply missing, no fallback appears."""
+    result = _import_sgl_kernel(None)
+    assert result.returncode != 0
+    assert "No module named 'sgl_kernel'" in result.stderr
+
+
+def test_pth_file_installs_the_finder_and_it_warns_once(tmp_path: Path) -> None:
+    pth = sgl_kernel_finder.write_pth(tmp_path)
+    assert pth == tmp_path / sgl_kernel_finder.PTH_NAME
+    assert pth.read_text().splitlines()[0] == str(sgl_kernel_finder.TOOLS_DIR)
+    result = _import_sgl_kernel(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "BASTION's torch stand-in for sgl_kernel" in result.stdout
+    assert result.stderr.count("not sglang-kernel") == 1
+    assert f"Installed by {pth}" in result.stderr
+
+    assert sgl_kernel_finder.remove_pth(tmp_path) is True
+    assert not pth.exists() and sgl_kernel_finder.remove_pth(tmp_path) is False
+    assert "No module named 'sgl_kernel'" in _import_sgl_kernel(tmp_path).stderr

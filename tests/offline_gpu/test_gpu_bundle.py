@@ -1,9 +1,10 @@
 """The GPU bundle's trimmed SGLang: serving imports from it alone, with BASTION's stand-ins active.
 
 Builds the trimmed tree from the SGLang installed here (no network; the wheel download is a separate step
-of `bastion_sglang.gpu_bundle`), then runs `tests/gpu_bundle_imports.py` in a subprocess whose PYTHONPATH
-starts with the trimmed tree, once on the CPU path and once with torch reporting CUDA (module-level
-imports only), where `sgl_kernel` comes from BASTION's stand-in finder.
+of `offline_gpu.gpu_bundle`), then runs `gpu_bundle_imports.py` (beside this file) in a subprocess
+whose PYTHONPATH starts with the trimmed tree (then the checkout's `tools/`), once on the CPU path and once
+with torch reporting CUDA (module-level imports only), where `sgl_kernel` comes from BASTION's stand-in
+finder.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
-from bastion_sglang.gpu_bundle import is_dropped, trim_sglang  # noqa: E402
+from offline_gpu.gpu_bundle import is_dropped, trim_sglang  # noqa: E402
 
 IMPORT_CHECK = Path(__file__).with_name("gpu_bundle_imports.py")
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 @pytest.mark.parametrize(
@@ -55,7 +57,7 @@ def trimmed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_import_check(root: Path, mode: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(TOOLS)]), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(IMPORT_CHECK), str(root), mode]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -11,12 +11,14 @@ the demo target's GGUF (98 MB, 90 MB as xz; too big for one call beside the repo
 - `call-2/`, ..: one further part each;
 - every folder also holds `carry.json` (`CarryManifest`): the parts in order with sizes and SHA-256 and
   the GGUF's own size and SHA-256.
-On the GPU machine every call copies its folder into one stash (`scripts/gpu-pair-bench.sh`), and `join`
-checks each part, decompresses them in order into the GGUF and checks its hash: a missing, short or
+On the GPU machine every call copies its folder into one stash (`tools/offline_gpu/gpu-pair-bench.sh`), and
+`join` checks each part, decompresses them in order into the GGUF and checks its hash: a missing, short or
 corrupt part is an error naming it.
 
-    python -m bastion_sglang.gpu_carry pack --out .gpu-carry          # here (needs the package registries)
-    python -m bastion_sglang.gpu_carry join --stash DIR               # there, after every call's copy
+    python -m offline_gpu.gpu_carry pack --out .gpu-carry          # here (needs the package registries)
+    python -m offline_gpu.gpu_carry join --stash DIR               # there, after every call's copy
+
+(with `tools/` on PYTHONPATH; `tools/offline_gpu/gpu-pair-bench.sh` runs both).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from tqdm import tqdm
 
 from bastion_sglang.assets import SMOLLM2_PACKAGE, MissingPackageError, package_file, sha256_file
 from bastion_sglang.demo import SMOLLM2_GGUF_NAME
-from bastion_sglang.gpu_bundle import download_wheels, folder_bytes
 from bastion_sglang.prompt_sets import PromptSet, interleave_prompts
+from offline_gpu import REPO_ROOT
+from offline_gpu.gpu_bundle import download_wheels, folder_bytes
 
 CALL_LIMIT_BYTES = 64 * 2**20
 """What one command on the GPU machine receives: the working tree and the carried files together."""
@@ -50,7 +53,6 @@ MANIFEST_RESERVE_BYTES = 4 * 2**10
 """Room kept in every call for its `carry.json` (647 bytes with two parts; about 170 more per part)."""
 PROMPTS_NAME = "prompts.jsonl"
 WHEELS_DIRNAME = "wheels"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_REQUIREMENTS = REPO_ROOT / "requirements" / "gpu-reference.txt"
 CHUNK_BYTES = 2**22
 
@@ -296,7 +298,7 @@ def _join_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bastion_sglang.gpu_carry",
+        prog="python -m offline_gpu.gpu_carry",
         description="Cut the demo pair's GPU bench inputs into call-sized folders (pack), and put the "
         "GGUF back together on the GPU machine (join).",
     )

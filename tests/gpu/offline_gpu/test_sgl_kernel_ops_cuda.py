@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from bastion_sglang import sgl_kernel_ops
+from offline_gpu import sgl_kernel_ops
 
 
 @pytest.mark.parametrize("name", ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])

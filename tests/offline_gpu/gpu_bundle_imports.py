@@ -1,9 +1,12 @@
-"""Import SGLang's serving path from a trimmed source tree; run as a script by tests/test_gpu_bundle.py.
+"""Import SGLang's serving path from a trimmed source tree; run as a script by test_gpu_bundle.py.
 
-    python tests/gpu_bundle_imports.py TRIMMED_ROOT {cpu,cuda-imports}
+    PYTHONPATH=ROOT:tools python tests/offline_gpu/gpu_bundle_imports.py ROOT {cpu,cuda-imports}
+
+ROOT is TRIMMED_ROOT below.
 
 TRIMMED_ROOT (the folder holding the trimmed `sglang/`) must be first on PYTHONPATH, so it shadows any
-installed SGLang; the script checks that every `sglang` module came from it. Modes:
+installed SGLang; the script checks that every `sglang` module came from it. The checkout's `tools/` must be
+on PYTHONPATH too (the stand-in finder is `offline_gpu.sgl_kernel_finder`). Modes:
 - cpu: BASTION's plugin registration (CPU placeholders), the serving modules, the model classes of the
   dense targets and the drafter, and BASTION's CPU stand-ins installed through SGLang's HookRegistry;
 - cuda-imports: torch reports one CUDA device (nothing runs on it), so SGLang's modules take their CUDA
@@ -14,6 +17,7 @@ Prints `OK <number of sglang modules>` on success; any failure raises.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -37,13 +41,21 @@ SERVING_MODULES = (
 CUDA_ONLY_MODULES = ("sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",)
 """Imported by SGLang's CUDA graph runners; raises at import on a CPU device."""
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DFlashDraftModel")
+TORCHVISION_CPU = Path(__file__).resolve().parents[2] / "scripts" / "torchvision_cpu.py"
+"""The CPU environment's torchvision fix (loaded by path, as its `.pth` line does)."""
+
+
+def define_op_schemas() -> None:
+    """`scripts/torchvision_cpu.py`'s `define_op_schemas`: the torchvision op schemas of a CPU torch."""
+    spec = importlib.util.spec_from_file_location("bastion_torchvision_cpu", TORCHVISION_CPU)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.define_op_schemas()
 
 
 def simulate_cuda_imports() -> None:
     """Make torch report one Hopper CUDA device, for module-level branches only (never launch work)."""
     import torch
-
-    from bastion_sglang.torchvision_cpu import define_op_schemas
 
     define_op_schemas()  # before torch.version.cuda is set: torchvision's CPU import fix checks it
     torch.cuda.is_available = lambda: True
@@ -55,10 +67,10 @@ def simulate_cuda_imports() -> None:
 
 def main(root: Path, mode: str) -> None:
     if mode == "cuda-imports":
-        from bastion_sglang import sgl_kernel_finder
+        from offline_gpu import sgl_kernel_finder
 
         simulate_cuda_imports()
-        sgl_kernel_finder.install()
+        sgl_kernel_finder.install("tests/offline_gpu/gpu_bundle_imports.py")
     import bastion_sglang
 
     bastion_sglang.register()
@@ -76,7 +88,8 @@ def main(root: Path, mode: str) -> None:
     else:
         kernel = sys.modules["sgl_kernel"]
         assert "BASTION" in (kernel.__doc__ or ""), kernel
-        assert sys.modules["sglang.srt.layers.sampler"].top_k_renorm_prob.__module__.startswith("bastion")
+        sampler = sys.modules["sglang.srt.layers.sampler"]
+        assert sampler.top_k_renorm_prob.__module__ == "offline_gpu.sgl_kernel_ops"
     modules = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "sglang"}
     outside = sorted(
         name

@@ -5,22 +5,32 @@ and torchvision's `_meta_registrations` then fails with "operator torchvision::n
 Defining the two op schemas it registers unconditionally (`nms`, `qnms`) before torchvision loads makes
 the import succeed; the ops themselves stay unavailable (nothing here uses them).
 
+This is glue for the CPU development and CI environment, not part of the installed package.
 `install()` adds an import hook that does this the first time `torchvision` is imported, only when torch
-is a CPU build. `scripts/setup-cpu.sh` runs it at interpreter start-up through a one-line `.pth` file:
+is a CPU build. `scripts/setup-cpu.sh` runs it at interpreter start-up through a one-line `.pth` file that
+loads this file by its path (`pth_line`); running this file prints that line:
 
-    import bastion_sglang.torchvision_cpu as m; m.install()
+    python scripts/torchvision_cpu.py > "$site/bastion_sglang_cpu.pth"
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
+from pathlib import Path
 
-PTH_LINE = "import bastion_sglang.torchvision_cpu as m; m.install()\n"
-"""The line of the `.pth` file that installs the hook in every interpreter of an environment."""
+MODULE_NAME = "bastion_torchvision_cpu"
+"""The name the `.pth` line loads this file under."""
 
 _SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+
+
+def pth_line(path: Path) -> str:
+    """The `.pth` line that loads the file at `path` (this module, absolute) and calls its `install()`."""
+    return (
+        f"import importlib.util as u; s = u.spec_from_file_location({MODULE_NAME!r}, {str(path)!r}); "
+        "m = u.module_from_spec(s); s.loader.exec_module(m); m.install()\n"
+    )
 
 
 class _TorchvisionSchemaHook(importlib.abc.MetaPathFinder):
@@ -49,7 +59,16 @@ def define_op_schemas() -> None:
 
 
 def install() -> None:
-    """Add the hook unless torchvision is already imported or the hook is already there."""
-    if "torchvision" in sys.modules or any(isinstance(f, _TorchvisionSchemaHook) for f in sys.meta_path):
+    """Add the hook unless torchvision is already imported or the hook is already there.
+
+    The hook is recognised by its class name: site-packages reached through two paths (a venv's `lib64`
+    link) run the `.pth` line twice, and each run loads this file as a new module with a new class.
+    """
+    hooked = any(type(f).__qualname__ == _TorchvisionSchemaHook.__qualname__ for f in sys.meta_path)
+    if "torchvision" in sys.modules or hooked:
         return
     sys.meta_path.insert(0, _TorchvisionSchemaHook())
+
+
+if __name__ == "__main__":
+    print(pth_line(Path(__file__).resolve()), end="")
