@@ -166,11 +166,15 @@ def test_repository_bytes_count_what_travels(tmp_path: Path) -> None:
     assert repository_bytes(tmp_path) == 100 + 30 + len("ignored/\n")
 
 
-def test_prompts_take_the_held_out_sets_in_turn(tmp_path: Path) -> None:
+def test_prompts_take_the_held_out_sets_in_turn_then_fill_with_sharegpt(tmp_path: Path) -> None:
     dest = tmp_path / "prompts.jsonl"
     mtbench, humaneval = load_prompts("mtbench", "heldout"), load_prompts("humaneval", "heldout")
-    assert write_prompts(dest) == len(mtbench) + len(humaneval) == 25
+    sharegpt = load_prompts("sharegpt", "heldout")
+    assert len(mtbench) + len(humaneval) == 25
+    assert write_prompts(dest) == 64
     lines = [json.loads(line)["prompt"] for line in dest.read_text().splitlines()]
     first_two_each = [mtbench[0], humaneval[0], mtbench[1], humaneval[1]]
     assert lines[:4] == [prompt.turns[0] for prompt in first_two_each]
-    assert lines[-1] == humaneval[-1].turns[0]
+    assert lines[24] == humaneval[-1].turns[0]
+    assert lines[25:] == [prompt.turns[0] for prompt in sharegpt[:39]]
+    assert write_prompts(dest, fill_to=10) == 25  # the named sets are never cut

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from bastion_sglang.assets import SMOLLM2_PACKAGE, MissingPackageError, package_file, sha256_file
 from bastion_sglang.demo import SMOLLM2_GGUF_NAME
-from bastion_sglang.prompt_sets import PromptSet, interleave_prompts
+from bastion_sglang.prompt_sets import PromptSet, interleave_prompts, load_prompts
 from offline_gpu import REPO_ROOT
 from offline_gpu.gpu_bundle import download_wheels, folder_bytes
 
@@ -52,6 +52,9 @@ MANIFEST_NAME = "carry.json"
 MANIFEST_RESERVE_BYTES = 4 * 2**10
 """Room kept in every call for its `carry.json` (647 bytes with two parts; about 170 more per part)."""
 PROMPTS_NAME = "prompts.jsonl"
+FILL_PROMPTS_TO = 64
+"""Prompts in `prompts.jsonl`: 25 held-out MT-Bench and HumanEval ones, then held-out ShareGPT ones, so that
+`bastion bench` at concurrency 32 has two full batches."""
 WHEELS_DIRNAME = "wheels"
 REFERENCE_REQUIREMENTS = REPO_ROOT / "requirements" / "gpu-reference.txt"
 CHUNK_BYTES = 2**22
@@ -241,10 +244,17 @@ def join(stash: Path, dest: Path | None = None) -> Path:
     return dest
 
 
-def write_prompts(dest: Path, sets: Sequence[PromptSet] = ("mtbench", "humaneval")) -> int:
+def write_prompts(
+    dest: Path,
+    sets: Sequence[PromptSet] = ("mtbench", "humaneval"),
+    fill_set: PromptSet = "sharegpt",
+    fill_to: int = FILL_PROMPTS_TO,
+) -> int:
     """Write the held-out prompts of `sets` as JSONL (`{"prompt": first turn}`), one of each set in turn
-    (`interleave_prompts`), so that the first n lines mix the sets; returns the count."""
+    (`interleave_prompts`), so that the first n lines mix the sets; then held-out prompts of `fill_set` up
+    to `fill_to` lines in all (none when `sets` already give that many). Returns the count."""
     mixed = interleave_prompts(sets, "heldout")
+    mixed += load_prompts(fill_set, "heldout")[: max(0, fill_to - len(mixed))]
     dest.write_text("".join(json.dumps({"prompt": prompt.turns[0]}) + "\n" for prompt in mixed))
     return len(mixed)
 
