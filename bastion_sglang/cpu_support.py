@@ -1,22 +1,26 @@
 """What BASTION needs inside SGLang 0.5.23 on a plain CPU (torch CPU build, no sgl-kernel, no Triton driver).
 
-Two stages, both only on CPU:
+Only in a process that serves BASTION on the CPU (`serves_bastion_on_cpu`: `--speculative-algorithm
+BASTION` with `--device cpu`, or no device on a CPU-only torch build); a process that loads the plugin but
+serves another algorithm, or BASTION on CUDA, gets nothing from here. Two stages:
 
-`prepare_cpu_torch_build` runs from the plugin's `register()` in every SGLang process when torch is a
-CPU-only build (no CUDA, no HIP: every device is then the CPU), before SGLang resolves its arguments:
-- `torchvision` placeholder (only when torchvision is not installed): resolving server arguments imports
-  `sglang.srt.configs`, whose `deepseek_ocr` and `multimodal/internvl_utils` modules import names from
-  `torchvision.transforms` at module level for their image paths. A PyPI torchvision wheel cannot be
-  installed instead: it is built against CUDA torch and breaks `import sglang` beside CPU torch. The
-  placeholder's names raise ImportError when used, so only those multimodal paths (never BASTION's)
-  would notice.
-- `vllm._custom_ops` placeholder (only when vllm is absent): `RotaryEmbedding.__init__`
-  (`layers/rotary_embedding/base.py`) imports `vllm._custom_ops.rotary_embedding` on a device that is
-  neither CUDA nor SGLang's CPU engine, although it then runs `forward_native`.
+`prepare_cpu_serving` runs from registration's hook on `ServerArgs.resolve_once`, before SGLang resolves
+the arguments, and installs the import placeholders (each only when the real package is absent):
+- `torchvision` placeholder: resolving server arguments imports `sglang.srt.configs`, whose
+  `deepseek_ocr` and `multimodal/internvl_utils` modules import names from `torchvision.transforms` at
+  module level for their image paths. A PyPI torchvision wheel cannot be installed instead: it is built
+  against CUDA torch and breaks `import sglang` beside CPU torch. The placeholder's names raise
+  ImportError when used, so only those multimodal paths (never BASTION's) would notice. (SGLang's scheduler
+  and detokenizer modules import those configs before any plugin loads in their processes, so those
+  processes need an importable torchvision whatever this module does.)
+- `vllm._custom_ops` placeholder: `RotaryEmbedding.__init__` (`layers/rotary_embedding/base.py`) imports
+  `vllm._custom_ops.rotary_embedding` on a device that is neither CUDA nor SGLang's CPU engine, although
+  it then runs `forward_native`.
 
-`prepare_scheduler_process` runs in each scheduler process whose server arguments say `--device cpu`
-and `--speculative-algorithm BASTION`, before the scheduler builds its models. Each stand-in is
-installed through SGLang's `HookRegistry` (which also rebinds every `from X import name` copy):
+`prepare_scheduler_process` runs in each scheduler process (registration's hook on `Scheduler.__init__`),
+before the scheduler builds its models; `install_bastion_stand_ins` installs the placeholders above (the
+scheduler builds the rotary layers) and each stand-in through SGLang's `HookRegistry` (which also rebinds
+every `from X import name` copy):
 - `TorchNativeAttnBackend.forward_extend` gains a TARGET_VERIFY branch (SGLang's has none: it reads
   extend_prefix_lens, which verify batches lack): per request, queries attend to the cached prefix and
   to the verify tokens the flat custom mask allows (`kernels.tree_attention`).
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bastion_sglang.config import ALGORITHM
 from bastion_sglang.kernels import tree_attention
 
 if TYPE_CHECKING:
@@ -60,20 +65,35 @@ def is_cpu_torch_build() -> bool:
     return torch.version.cuda is None and torch.version.hip is None
 
 
-def prepare_cpu_torch_build() -> None:
-    """Make SGLang importable and runnable on a CPU-only torch build; a no-op on any other build."""
-    if not is_cpu_torch_build():
-        return
-    install_torchvision_placeholder()
-    install_vllm_placeholder()
+def serves_bastion_on_cpu(speculative_algorithm: str | None, device: str | None) -> bool:
+    """Whether server arguments with this `--speculative-algorithm` and `--device` serve BASTION on the CPU:
+    the algorithm is BASTION (any case) and the device is the CPU ("cpu", "cpu:0"), or None (SGLang then
+    detects it) on a CPU-only torch build."""
+    if str(speculative_algorithm or "").upper() != ALGORITHM:
+        return False
+    if device is None:
+        return is_cpu_torch_build()
+    return str(device).split(":")[0] == "cpu"
+
+
+def prepare_cpu_serving(server_args: Any) -> None:
+    """Install the import placeholders in this process when `server_args` (as given, before resolution)
+    serve BASTION on the CPU; nothing otherwise."""
+    if serves_bastion_on_cpu(server_args.speculative_algorithm, server_args.device):
+        install_import_placeholders()
 
 
 def prepare_scheduler_process(server_args: Any) -> None:
-    """Install BASTION's CPU stand-ins in this scheduler process when it runs BASTION on the CPU."""
-    from bastion_sglang.config import ALGORITHM
-
-    if str(server_args.device) == "cpu" and (server_args.speculative_algorithm or "").upper() == ALGORITHM:
+    """Install the import placeholders and BASTION's CPU stand-ins in this scheduler process when it runs
+    BASTION on the CPU; nothing otherwise."""
+    if serves_bastion_on_cpu(server_args.speculative_algorithm, server_args.device):
         install_bastion_stand_ins()
+
+
+def install_import_placeholders() -> None:
+    """The `torchvision` and `vllm._custom_ops` placeholders, each only when the real package is absent."""
+    install_torchvision_placeholder()
+    install_vllm_placeholder()
 
 
 class TorchvisionUnavailable:
@@ -123,7 +143,9 @@ def install_vllm_placeholder() -> None:
 
 
 def install_bastion_stand_ins() -> None:
-    """Register the torch stand-ins with SGLang's HookRegistry and apply them (idempotent)."""
+    """Install the import placeholders, then register the torch stand-ins with SGLang's HookRegistry and apply
+    them (idempotent). For a process that builds models to run BASTION on the CPU."""
+    install_import_placeholders()
     from bastion_sglang import sglang_adapter as sgl
 
     if CPU_BACKEND not in sgl.DRAFT_ATTENTION_BACKEND_CHOICES:
@@ -245,7 +267,7 @@ def verify_attention(
         )
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(
-            layer, sgl.KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+            layer, sgl.KVWriteLoc(loc=forward_batch.out_cache_loc, swa_loc=backend.swa_out_cache_loc), k, v
         )
 
     spec_info = forward_batch.spec_info

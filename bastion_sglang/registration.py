@@ -7,8 +7,14 @@ How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
   `ServerArgs.from_cli_args`, turn them into a validated `BastionConfig` stored on the ServerArgs record
   (attribute `_bastion_config`). The record is pickled into every scheduler process with its bookkeeping
   attributes, so the worker reads the same object. Python callers attach one with `attach_config`.
-- `bastion_sglang.cpu_support`: on a CPU-only torch build, what SGLang needs to import and run there
-  (at registration), and a hook on `Scheduler.__init__` that adds BASTION's CPU stand-ins.
+- `bastion_sglang.cpu_support`, only in a process that serves BASTION on the CPU: its import placeholders
+  before SGLang resolves the server arguments (a hook on `ServerArgs.resolve_once`), and its CPU stand-ins
+  in the scheduler process (a hook on `Scheduler.__init__`). A process that loads the plugin but serves
+  another algorithm, or BASTION on CUDA, gets neither.
+- The attention backend: a resolution hook (SGLang's `register_resolution_hook`) around the pipeline's
+  `handle_cpu_backends` step, the first that fills in a default backend, chooses one BASTION can verify
+  trees with when `--attention-backend` is not given (`choose_attention_backend`), and refuses a named one
+  it cannot use, before SGLang's own default (fa3 on Hopper) is filled in.
 - A hook on SGLang's per-request DFlash check refuses, per request, the parameters BASTION cannot honour
   exactly (`bastion_sglang.request_support`).
 - A hook on `ModelRunner._decode_cuda_graph_runner_cls` gives BASTION's target its own verify graph runner
@@ -59,6 +65,19 @@ CUDA_TREE_MASK_BACKENDS = ("triton", "flashinfer")
 """Attention backends whose TARGET_VERIFY path reads an arbitrary per-request custom mask on CUDA."""
 CPU_BACKEND = "torch_native"
 """The only backend BASTION runs on CPU (its TARGET_VERIFY tree branch comes from `cpu_support`)."""
+CHOSEN_BACKENDS = {"cuda": "triton", "cpu": CPU_BACKEND}
+"""The backend BASTION uses, per device kind, when `--attention-backend` is not given: on CUDA triton (it
+reads the tree mask and ships with SGLang; flashinfer needs its own package), on CPU torch_native."""
+ATTENTION_BACKEND_FLAGS = (
+    ("attention_backend", "--attention-backend"),
+    ("prefill_attention_backend", "--prefill-attention-backend"),
+    ("decode_attention_backend", "--decode-attention-backend"),
+)
+"""(ServerArgs field, its flag) of every attention backend the user may name."""
+CHOOSE_BACKEND_STEP = "handle_cpu_backends"
+"""The resolution step `choose_attention_backend` wraps: the first in SGLang 0.5.23's pipeline that fills in
+a default attention backend (on CPU; `handle_attention_backend_compatibility` does on CUDA, later), after
+`handle_missing_default_values` has resolved the device."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +243,7 @@ def _from_cli_args_with_bastion(original: Callable[..., Any], cls: type, args: a
     config = config_from_namespace(args)
     if config is None:
         return server_args
-    algorithm = (getattr(args, "speculative_algorithm", None) or "").upper()
+    algorithm = (args.speculative_algorithm or "").upper()
     if algorithm != ALGORITHM:
         given = sorted(f.flag for f in FLAGS if getattr(args, f.dest, None) is not None)
         raise ValueError(
@@ -232,6 +251,72 @@ def _from_cli_args_with_bastion(original: Callable[..., Any], cls: type, args: a
         )
     attach_config(server_args, config)
     return server_args
+
+
+def _prepare_cpu_serving(server_args: Any) -> None:
+    """BEFORE hook of `ServerArgs.resolve_once(self)`: in a process that is about to resolve arguments that
+    serve BASTION on the CPU, install `cpu_support`'s import placeholders (resolution imports SGLang's model
+    configs). Reads the arguments as given (device None: auto-detection). Returns None, so the arguments pass
+    through unchanged."""
+    from bastion_sglang import cpu_support
+
+    cpu_support.prepare_cpu_serving(server_args)
+
+
+def supported_attention_backends(device: str) -> tuple[str, ...]:
+    """The attention backends BASTION verifies trees with on `device` ("cuda", "cuda:1", "cpu"); () on any
+    other device."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return CUDA_TREE_MASK_BACKENDS
+    if kind == "cpu":
+        return (CPU_BACKEND,)
+    return ()
+
+
+def unsupported_backend_message(flag: str, value: str, device: str) -> str:
+    """The refusal of backend `value` given as `flag` on `device`, listing the supported backends."""
+    supported = supported_attention_backends(device)
+    return (
+        f"{flag} {value}: {ALGORITHM} on {device} verifies draft trees with a per-request tree mask, which "
+        f"{value} does not read; supported: {', '.join(supported)} (leave {flag} out and {ALGORITHM} uses "
+        f"{CHOSEN_BACKENDS[device.split(':')[0]]})"
+    )
+
+
+def choose_attention_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Resolution hook around SGLang's `handle_cpu_backends` step (`CHOOSE_BACKEND_STEP`): for BASTION on
+    CUDA or CPU, refuse an attention backend the user named that BASTION cannot use (ValueError naming the
+    flag, the value and the supported backends), and when `--attention-backend` was not given, declare
+    BASTION's choice (`CHOSEN_BACKENDS`) and log one line saying which and why. Then the step itself.
+
+    `server_args` is SGLang's record mid-resolution: its own fields are what the user gave (resolution
+    declares its decisions beside them), the resolving view what has been decided so far (the device).
+    Other algorithms and devices pass through untouched (`handle_server_args` refuses other devices).
+    """
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    device = str(cfg.device or "")
+    supported = supported_attention_backends(device)
+    if str(cfg.speculative_algorithm or "").upper() == ALGORITHM and supported:
+        for field, flag in ATTENTION_BACKEND_FLAGS:
+            named = getattr(server_args, field)
+            if named is not None and named not in supported:
+                raise ValueError(unsupported_backend_message(flag, named, device))
+        if server_args.attention_backend is None:
+            chosen = CHOSEN_BACKENDS[device.split(":")[0]]
+            declare_resolution(server_args, "bastion.choose_attention_backend", attention_backend=chosen)
+            logger.info(
+                "%s: --attention-backend not given; using %s, which reads the per-request tree mask %s "
+                "verifies with (supported on %s: %s)",
+                ALGORITHM,
+                chosen,
+                ALGORITHM,
+                device,
+                ", ".join(supported),
+            )
+    previous(server_args)
 
 
 def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -268,9 +353,9 @@ def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bo
 
 def _serving_bastion() -> bool:
     """Whether this scheduler process serves `--speculative-algorithm BASTION`."""
-    from sglang.srt.runtime_context import get_spec
+    from bastion_sglang import sglang_adapter as sgl
 
-    return str(get_spec().speculative_algorithm or "").upper() == ALGORITHM
+    return str(sgl.get_spec().speculative_algorithm or "").upper() == ALGORITHM
 
 
 def _verify_graph_runner_class(runner_class: type, model_runner: Any) -> type | None:
@@ -329,17 +414,17 @@ class BastionSpecAlgo(CustomSpecAlgo):
         """SGLang's future map, always with host sequence lengths: under overlap scheduling the worker plans
         each step from the committed lengths on the host (`needs_cpu_seq_lens` from the attention backends is
         not enough: a backend that opts out would leave `seq_lens_cpu` None)."""
-        from sglang.srt.managers.overlap_utils import FutureMap
+        from bastion_sglang import sglang_adapter as sgl
 
-        return FutureMap(device, self, req_to_token_pool, True, needs_confidence_relay)
+        return sgl.future_map(device, self, req_to_token_pool, True, needs_confidence_relay)
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
         """Target verify: the width cap N_max + 1. The drafter's TARGET_VERIFY forward: its block size."""
         if not is_draft_worker:
             return num_draft_tokens
-        from sglang.srt.runtime_context import get_spec
+        from bastion_sglang import sglang_adapter as sgl
 
-        return int(get_spec().speculative_dflash_block_size)
+        return int(sgl.get_spec().speculative_dflash_block_size)
 
     def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
         """KV slots one request writes in a decode step: max(verify width cap N_max + 1, drafter block γ).
@@ -511,39 +596,32 @@ def _check_parallelism(cfg: Any) -> None:
 
 
 def _check_device_and_backend(cfg: Any) -> None:
-    """CPU: torch_native only. CUDA: a backend that reads a per-request custom mask. Nothing else."""
+    """The resolved backends: CPU torch_native only; CUDA a backend that reads a per-request custom mask;
+    no other device. `choose_attention_backend` has refused a named one already; this catches a backend
+    SGLang resolved differently after BASTION's choice."""
     device = str(cfg.device or "")
-    backends = {cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend} - {None}
-    if device == "cpu":
-        bad = sorted(backends - {CPU_BACKEND})
-        if bad or not backends:
-            raise ValueError(
-                f"{ALGORITHM} on --device cpu needs --attention-backend {CPU_BACKEND}, got {bad or 'none'}"
-            )
-        return
-    if device.startswith("cuda"):
-        bad = sorted(backends - set(CUDA_TREE_MASK_BACKENDS))
-        if bad or not backends:
-            raise ValueError(
-                f"{ALGORITHM} on CUDA needs an attention backend with custom tree masks "
-                f"({', '.join(CUDA_TREE_MASK_BACKENDS)}), got {bad or 'none'}"
-            )
-        return
-    raise ValueError(f"{ALGORITHM} runs on --device cuda or cpu, got {device or 'none'}")
+    supported = supported_attention_backends(device)
+    if not supported:
+        raise ValueError(f"{ALGORITHM} runs on --device cuda or cpu, got {device or 'none'}")
+    if cfg.attention_backend is None:
+        raise ValueError(f"{ALGORITHM} on {device} needs --attention-backend, one of: {', '.join(supported)}")
+    for field, flag in ATTENTION_BACKEND_FLAGS:
+        value = getattr(cfg, field)
+        if value is not None and value not in supported:
+            raise ValueError(unsupported_backend_message(flag, value, device))
 
 
 def register_algorithm() -> None:
-    """Register BASTION, its CLI flags, its scheduler-process hook and its verify graph runner class
-    (idempotent within a process)."""
+    """Register BASTION, its CLI flags, its attention-backend choice, its CPU and scheduler-process hooks and
+    its verify graph runner class (idempotent within a process). Installs nothing: what a process needs to
+    serve BASTION on the CPU comes from the hooks, once its arguments say so."""
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
     if get_spec(ALGORITHM) is not None:
         return
-    from bastion_sglang import cpu_support
-
-    cpu_support.prepare_cpu_torch_build()
 
     @SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=BastionSpecAlgo)
     def _worker_class(server_args: Any) -> type:
@@ -557,6 +635,10 @@ def register_algorithm() -> None:
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args_with_bastion, HookType.AROUND
     )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.resolve_once", _prepare_cpu_serving, HookType.BEFORE
+    )
+    register_resolution_hook(CHOOSE_BACKEND_STEP)(choose_attention_backend)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.__init__", _scheduler_init_hook, HookType.BEFORE
     )

@@ -7,17 +7,21 @@ Everything runs SGLang's own code paths: `load_plugins()` (the entry point in py
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import pickle
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang")
-
+from sglang.srt.arg_groups.attention_hook import handle_attention_backend_compatibility
+from sglang.srt.arg_groups.overrides import resolved_view
+from sglang.srt.arg_groups.platform_hook import handle_cpu_backends
+from sglang.srt.arg_groups.resolution_hooks import run_hook
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -44,7 +48,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _argv(models: dict[str, Path], *extra: str, drafter: str = "drafter") -> list[str]:
+def _argv(
+    models: dict[str, Path], *extra: str, drafter: str = "drafter", device: str = "cpu", backend: bool = True
+) -> list[str]:
+    """BASTION's launch arguments on the tiny pair; backend False leaves `--attention-backend` out."""
     return [
         "--model-path",
         str(models["target"]),
@@ -53,9 +60,8 @@ def _argv(models: dict[str, Path], *extra: str, drafter: str = "drafter") -> lis
         "--speculative-draft-model-path",
         str(models[drafter]),
         "--device",
-        "cpu",
-        "--attention-backend",
-        "torch_native",
+        device,
+        *(("--attention-backend", "torch_native") if backend else ()),
         *extra,
     ]
 
@@ -243,7 +249,15 @@ def test_missing_profile_is_refused_naming_the_file(models: dict[str, Path], tmp
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (("--attention-backend", "triton"), "BASTION on --device cpu needs --attention-backend torch_native"),
+        (
+            ("--attention-backend", "triton"),
+            "--attention-backend triton: BASTION on cpu verifies draft trees with a per-request tree mask, "
+            "which triton does not read; supported: torch_native",
+        ),
+        (
+            ("--decode-attention-backend", "triton"),
+            "--decode-attention-backend triton: BASTION on cpu .* supported: torch_native",
+        ),
         (("--page-size", "16"), "BASTION needs --page-size 1"),
         (("--speculative-num-draft-tokens", "16"), "--bastion-max-budget 15"),
         (("--context-length", "64", "--bastion-max-budget", "40"), "more than half the context length 64"),
@@ -285,3 +299,166 @@ def test_drafters_whose_draft_logits_bastion_bypasses_are_refused(field: str, va
 
 def test_a_plain_dflash_drafter_is_accepted() -> None:
     check_draft_logits_supported({"num_hidden_layers": 2, "dflash_config": {"output_multiplier": 1.0}})
+
+
+# ---- the attention backend: chosen when not given, refused only when named ---------------------------
+
+CHOICE_LOG = "--attention-backend not given; using"
+
+
+class ChoiceLines(logging.Handler):
+    """Collects the backend-choice lines on registration's logger itself (SGLang's logging set-up during
+    resolution replaces the root logger's handlers, where pytest's log capture listens)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if CHOICE_LOG in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def choice_lines() -> Iterator[list[str]]:
+    """The backend-choice lines logged while the test runs."""
+    logger = logging.getLogger("bastion_sglang.registration")
+    handler, level = ChoiceLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_cpu_without_a_backend_flag_resolves_to_torch_native_with_one_log_line(
+    models: dict[str, Path], choice_lines: list[str]
+) -> None:
+    view = resolved_view(_resolve(_argv(models, backend=False)))
+    assert view.attention_backend == "torch_native"
+    assert view.speculative_draft_attention_backend == "torch_native"
+    (line,) = choice_lines
+    assert "using torch_native" in line and "tree mask" in line
+
+
+def test_cpu_with_torch_native_named_logs_no_choice(models: dict[str, Path], choice_lines: list[str]) -> None:
+    assert resolved_view(_resolve(_argv(models))).attention_backend == "torch_native"
+    assert choice_lines == []
+
+
+def _resolve_backend_on_cuda(argv: list[str]) -> object:
+    """The launch arguments parsed by SGLang's parser, then the resolution steps that settle the attention
+    backend (BASTION's hook on `handle_cpu_backends`, SGLang's default fill in
+    `handle_attention_backend_compatibility`), with `--device cuda` standing in for a GPU."""
+    server_args = prepare_server_args(argv)
+    run_hook(handle_cpu_backends, server_args)
+    run_hook(handle_attention_backend_compatibility, server_args)
+    return resolved_view(server_args)
+
+
+@pytest.mark.parametrize(
+    ("extra", "attention", "prefill", "chosen"),
+    [
+        ((), "triton", None, True),
+        (("--attention-backend", "triton"), "triton", None, False),
+        (("--attention-backend", "flashinfer"), "flashinfer", None, False),
+        (("--prefill-attention-backend", "flashinfer"), "triton", "flashinfer", True),
+    ],
+)
+def test_cuda_backend_is_chosen_when_not_given_and_kept_when_named(
+    models: dict[str, Path],
+    choice_lines: list[str],
+    extra: tuple[str, ...],
+    attention: str,
+    prefill: str | None,
+    chosen: bool,
+) -> None:
+    """The README's launch line names no backend: on CUDA BASTION picks triton (SGLang would pick fa3 on
+    Hopper, which cannot read the tree mask) and says so once; a supported backend the user names stays."""
+    view = _resolve_backend_on_cuda(_argv(models, *extra, device="cuda", backend=False))
+    assert (view.attention_backend, view.prefill_attention_backend) == (attention, prefill)
+    assert len(choice_lines) == int(chosen)
+    if chosen:
+        assert "using triton" in choice_lines[0] and "triton, flashinfer" in choice_lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--attention-backend", "fa3"),
+        ("--attention-backend", "torch_native"),
+        ("--decode-attention-backend", "fa3"),
+        ("--prefill-attention-backend", "trtllm_mha"),
+    ],
+)
+def test_cuda_backend_bastion_cannot_use_is_refused_only_when_named(
+    models: dict[str, Path], flag: str, value: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^{flag} {value}: BASTION on cuda .* supported: triton, flashinfer"
+    ):
+        _resolve_backend_on_cuda(_argv(models, flag, value, device="cuda", backend=False))
+
+
+def test_other_algorithms_keep_sglangs_backend_choice(models: dict[str, Path]) -> None:
+    """Without BASTION the hook leaves the backend to SGLang (nothing declared before its default fill)."""
+    server_args = prepare_server_args(["--model-path", str(models["target"]), "--device", "cuda"])
+    run_hook(handle_cpu_backends, server_args)
+    assert resolved_view(server_args).attention_backend is None
+
+
+# ---- CPU placeholders: only where BASTION serves on the CPU ------------------------------------------
+
+PLACEHOLDER_PROBE = """
+import importlib.util
+import json
+import sys
+from types import SimpleNamespace
+
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+
+from bastion_sglang.registration import _scheduler_init_hook
+
+states = {"vllm importable": importlib.util.find_spec("vllm") is not None}
+load_plugins()
+states["registered"] = "vllm" in sys.modules
+_scheduler_init_hook(None, SimpleNamespace(device="cpu", speculative_algorithm="EAGLE"))
+states["EAGLE scheduler"] = "vllm" in sys.modules
+for name, argv in json.loads(sys.argv[1]):
+    prepare_server_args(argv).resolve_once()
+    states[name] = "vllm" in sys.modules
+print(json.dumps(states))
+"""
+"""Loads the plugin, then resolves argument sets in turn, reporting after each whether the `vllm`
+placeholder is installed (once installed it stays: the BASTION-on-CPU set comes last). Run in a fresh
+interpreter: this one may hold the placeholder from an earlier test."""
+
+
+def test_placeholders_install_only_where_bastion_serves_on_cpu() -> None:
+    dummy = ["--model-path", "dummy"]
+    runs = [
+        ("plain CPU", [*dummy, "--device", "cpu"]),
+        ("EAGLE on CPU", [*dummy, "--device", "cpu", "--speculative-algorithm", "EAGLE"]),
+        ("BASTION on CUDA", [*dummy, "--device", "cuda", "--speculative-algorithm", "BASTION"]),
+        ("BASTION on CPU", [*dummy, "--device", "cpu", "--speculative-algorithm", "BASTION"]),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", PLACEHOLDER_PROBE, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    states = json.loads(result.stdout.strip().splitlines()[-1])
+    assert states == {
+        "vllm importable": False,  # else no placeholder would be installed anywhere: nothing to observe
+        "registered": False,
+        "EAGLE scheduler": False,
+        "plain CPU": False,
+        "EAGLE on CPU": False,
+        "BASTION on CUDA": False,
+        "BASTION on CPU": True,
+    }
