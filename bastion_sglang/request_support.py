@@ -15,11 +15,18 @@ also refuses what its tree step would otherwise silently change:
 - `ignore_eos` with a grammar (`json_schema`, `regex`, `ebnf`, `structural_tag`): once the grammar is
   complete it admits only EOS, which `ignore_eos` forbids; SGLang then emits one token outside the grammar
   (the argmax of a fully masked row) before it stops, which a tree step does not reproduce.
+
+Every field a refusal reads is declared in `sglang_adapter.REQUEST_FIELDS` (checked against the installed
+SGLang when the adapter is imported, which importing this module does) and read directly, never through a
+default: a field SGLang renames is named by that check, and reading it raises, so a refusal never turns off
+silently.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from bastion_sglang import sglang_adapter  # noqa: F401  (importing it checks REQUEST_FIELDS)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -36,11 +43,11 @@ def unsupported_parameter(req: Req) -> str | None:
     refusals = (
         (req.custom_logit_processor is not None, "custom_logit_processor", "it may depend on the position"),
         (bool(req.return_hidden_states), "return_hidden_states", "verify passes hold tree states"),
-        (getattr(params, "watermark", None) is not None, "watermark", "the tree sampler bypasses it"),
-        (bool(getattr(req, "return_sampling_mask", False)), "return_sampling_mask", "not recorded"),
-        ((getattr(params, "beam_width", None) or 1) > 1, "beam_width", "beam search is not speculative"),
+        (params.watermark is not None, "watermark", "the tree sampler bypasses it"),
+        (bool(req.return_sampling_mask), "return_sampling_mask", "not recorded"),
+        ((params.beam_width or 1) > 1, "beam_width", "beam search is not speculative"),
         (
-            bool(getattr(params, "ignore_eos", False)) and _has_grammar(params),
+            bool(params.ignore_eos) and _has_grammar(params),
             "ignore_eos with a grammar",
             "a complete grammar admits only EOS",
         ),
@@ -52,4 +59,6 @@ def unsupported_parameter(req: Req) -> str | None:
 
 
 def _has_grammar(params: Any) -> bool:
-    return any(getattr(params, name, None) is not None for name in GRAMMAR_FIELDS)
+    """Whether the sampling parameters constrain the output with a grammar (any of GRAMMAR_FIELDS set; a
+    missing field raises AttributeError)."""
+    return any(getattr(params, name) is not None for name in GRAMMAR_FIELDS)

@@ -10,6 +10,14 @@ What goes through this module (decided per kind):
 - every underscore name, every private attribute of an SGLang object, every private method the worker
   overrides, and every hook target (`CPU_HOOKS`, `REGISTRATION_HOOKS`): declared, and read or called only
   through the functions below;
+- every other attribute the glue reads or writes on an SGLang object (the scheduler's batch and requests,
+  model runners, forward batches, results, attention layers, process groups, the runtime configuration
+  bags: `STATE_INTERNALS`, `FORWARD_INTERNALS`, `RUNTIME_CONFIG_INTERNALS`) and every keyword it passes to
+  an SGLang callable (`Internal.parameters`): declared; a use that reaches through several objects or
+  depends on an argument order goes through a function below (`committed_kv_len`, `future_map`, ...);
+- what a request refusal reads (`REQUEST_FIELDS`): declared and read directly, never through a default, so
+  a renamed field fails the check instead of silently accepting the request;
+- the server-argument resolution `registration.py` joins (`RESOLUTION_INTERNALS`);
 - the SGLang internals the glue modules import (worker, spec_input, graphs, cpu_support, metrics,
   request_penalties, rank_sync): declared and re-exported from here, so the glue imports them from this
   module;
@@ -43,6 +51,10 @@ import torch
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -53,11 +65,18 @@ PINNED_VERSION = "0.5.23"
 @dataclass(frozen=True)
 class Internal:
     """One SGLang internal: `module.name`, or `attribute` of the class `module.name` (a method, a class
-    attribute, a dataclass field, or an instance attribute a method of the class or its bases assigns)."""
+    attribute, a dataclass field, or an instance attribute a method of the class or its bases assigns).
+
+    `parameters`: names BASTION passes to it by keyword (a callable; a class: its constructor); each must be
+    a named parameter of its signature, so a renamed one is reported here instead of being swallowed or
+    raising a TypeError in the first decode step. BASTION calls SGLang with keywords wherever the order of
+    positional parameters would otherwise be an unchecked assumption.
+    """
 
     module: str  # dotted module path, e.g. "sglang.srt.speculative.dflash_worker_v2"
     name: str  # attribute of the module, e.g. "DFlashWorkerV2"
     attribute: str | None = None  # attribute of that class, e.g. "_mask_token_id"
+    parameters: tuple[str, ...] = ()  # keyword parameters BASTION passes, e.g. ("device", "spec_algo")
 
     @property
     def target(self) -> str:
@@ -66,7 +85,7 @@ class Internal:
         return f"{self.module}.{self.name}{tail}"
 
     def __str__(self) -> str:
-        return self.target
+        return f"{self.target}({', '.join(self.parameters)})" if self.parameters else self.target
 
 
 def _internals(module: str, *names: str) -> tuple[Internal, ...]:
@@ -75,6 +94,10 @@ def _internals(module: str, *names: str) -> tuple[Internal, ...]:
 
 def _members(module: str, cls: str, *attributes: str) -> tuple[Internal, ...]:
     return tuple(Internal(module, cls, attribute) for attribute in attributes)
+
+
+def _call(module: str, name: str, attribute: str | None, *parameters: str) -> Internal:
+    return Internal(module, name, attribute, parameters)
 
 
 _DFLASH = "sglang.srt.speculative.dflash_worker_v2"
@@ -181,6 +204,344 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
 )
 """What the serving glue uses; checked when this module is imported."""
 
+_BATCH = "sglang.srt.managers.schedule_batch"
+_SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params"
+_TRANSLATOR = "sglang.srt.mem_cache.kv_index_translator"
+_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
+_FIELDS = "sglang.srt.arg_groups.fields"
+
+STATE_INTERNALS: tuple[Internal, ...] = (
+    *_members(
+        _BATCH,
+        "ScheduleBatch",
+        "batch_size",
+        "maybe_evict_swa",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+        "req_to_token_pool",
+        "reqs",
+        "req_pool_indices",
+        "device",
+        "forward_mode",
+        "spec_info",
+        "input_ids",
+        "out_cache_loc",
+        "seq_lens",
+        "seq_lens_cpu",
+        "seq_lens_sum",
+        "orig_seq_lens",
+        "can_run_decode_cuda_graph",
+        "is_extend_in_batch",
+        "has_grammar",
+        "return_logprob",
+        "sampling_info",
+    ),
+    *_members(
+        _BATCH,
+        "Req",
+        "kv",
+        "decode_batch_idx",
+        "rid",
+        "sampling_params",
+        "output_ids",
+        "origin_input_ids",
+        "tokenizer",
+        "eos_token_ids",
+        "finished",
+    ),
+    *_members(_BATCH, "ReqKvInfo", "kv_committed_len"),
+    *_members(
+        _SAMPLING_PARAMS,
+        "SamplingParams",
+        "top_k",
+        "temperature",
+        "sampling_seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "stop_token_ids",
+    ),
+    *_members("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator", "page_size"),
+    *_members("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool", "req_to_token"),
+    *_members(
+        "sglang.srt.mem_cache.memory_pool", "KVCache", "set_kv_buffer", "get_key_buffer", "get_value_buffer"
+    ),
+    _call("sglang.srt.mem_cache.memory_pool", "KVWriteLoc", None, "loc", "swa_loc"),
+    _call(
+        "sglang.srt.managers.overlap_utils",
+        "FutureMap",
+        None,
+        "device",
+        "spec_algo",
+        "req_to_token_pool",
+        "needs_cpu_seq_lens",
+        "needs_confidence_relay",
+    ),
+    _call(
+        "sglang.srt.mem_cache.allocation",
+        "alloc_for_spec_decode",
+        None,
+        "reqs",
+        "req_pool_indices",
+        "cur_kv_lens",
+        "cur_kv_lens_cpu",
+        "nxt_kv_lens",
+        "nxt_kv_lens_cpu",
+        "num_needed_tokens",
+        "batch",
+    ),
+    _call(
+        "sglang.srt.mem_cache.allocation_sizing",
+        "page_aligned_decode_alloc_lens",
+        None,
+        "reserve",
+        "page_size",
+    ),
+    _call(
+        _TRANSLATOR,
+        "KVIndexTranslator",
+        "plan",
+        "req_pool_indices",
+        "seq_lens",
+        "seq_lens_cpu",
+        "write_virtual",
+        "read_extent",
+    ),
+    _call(
+        _TRANSLATOR,
+        "KVIndexTranslator",
+        "pack_read_stream",
+        "req_pool_indices",
+        "seq_lens",
+        "indptr",
+        "out",
+        "kv_start_idx",
+        "kind",
+    ),
+    *_members("sglang.srt.mem_cache.kv_loc_plan", "KVLocPlan", "bind"),
+)
+"""The scheduler's batch and requests, their sampling parameters and KV bookkeeping, as the glue reads and
+writes them (worker, spec_input, request_penalties, registration's future map); checked at import."""
+
+FORWARD_INTERNALS: tuple[Internal, ...] = (
+    *_members(
+        _RUNNER,
+        "ModelRunner",
+        "model_config",
+        "model",
+        "forward",
+        "device",
+        "gpu_id",
+        "server_args",
+        "spec_algorithm",
+        "is_draft_worker",
+    ),
+    *_members("sglang.srt.configs.model_config", "ModelConfig", "dtype", "vocab_size", "hf_config"),
+    *_members("sglang.srt.models.dflash", "DFlashDraftModel", "set_block_size"),
+    *_members("sglang.srt.managers.tp_worker", "TpModelWorker", "model_runner"),
+    _call(
+        "sglang.srt.managers.tp_worker",
+        "TpModelWorker",
+        "forward_batch_generation",
+        "batch",
+        "forward_batch",
+        "is_verify",
+    ),
+    _call(
+        _DFLASH,
+        "DFlashWorkerV2",
+        "_append_target_hidden_to_draft_kv_by_loc",
+        "target_hidden",
+        "cache_loc",
+        "cache_loc_2d",
+        "positions",
+        "commit_lens",
+    ),
+    _call(
+        "sglang.srt.speculative.draft_worker_common",
+        "make_draft_block_spec_info",
+        None,
+        "draft_token_num",
+        "device",
+    ),
+    *_members("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend", "init_forward_metadata"),
+    *_members(
+        _FORWARD,
+        "ForwardBatch",
+        "forward_mode",
+        "batch_size",
+        "input_ids",
+        "req_pool_indices",
+        "seq_lens",
+        "out_cache_loc",
+        "seq_lens_sum",
+        "seq_lens_cpu",
+        "positions",
+        "input_embeds",
+        "spec_algorithm",
+        "spec_info",
+        "capture_hidden_mode",
+        "num_token_non_padded",
+        "global_num_token_non_padded_cpu",
+        "can_run_decode_cuda_graph",
+    ),
+    _call(_FORWARD, "ForwardBatch", "init_new", "capture_hidden_mode", "return_hidden_states_before_norm"),
+    *_members(_FORWARD, "ForwardMode", "DECODE", "TARGET_VERIFY", "is_extend", "is_target_verify"),
+    *_members(_FORWARD, "CaptureHiddenMode", "FULL", "NULL"),
+    *_members("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "DFLASH"),
+    *_members("sglang.srt.speculative.spec_info", "SpecInputType", "DFLASH_DRAFT", "DFLASH_VERIFY"),
+    *_members(
+        "sglang.srt.speculative.spec_info",
+        "SpecInput",
+        "num_tokens_per_req",
+        "num_tokens_for_logprob_per_req",
+    ),
+    _call("sglang.srt.speculative.spec_info", "SpecInput", "__init__", "spec_input_type"),
+    _call(
+        "sglang.srt.managers.utils",
+        "GenerationBatchResult",
+        None,
+        "logits_output",
+        "next_token_ids",
+        "accept_lens",
+        "can_run_cuda_graph",
+        "next_draft_input",
+        "speculative_num_draft_tokens",
+        "speculative_output_stride",
+        "new_seq_lens",
+    ),
+    *_members(
+        "sglang.srt.layers.logits_processor", "LogitsProcessorOutput", "next_token_logits", "hidden_states"
+    ),
+    _call("sglang.srt.layers.logprob_processor", "compute_spec_logprobs", None, "chain_stride"),
+    _call(
+        "sglang.srt.speculative.spec_utils",
+        "build_grammar_vocab_mask",
+        None,
+        "reqs",
+        "tree",
+        "sampling_info",
+        "device",
+        "barrier",
+    ),
+    *_members("sglang.srt.speculative.spec_utils", "GrammarTree", "from_device"),
+    *_members("sglang.srt.constrained.base_grammar_backend", "GrammarMask", "apply"),
+    _call(
+        _GRAPH_RUNNER,
+        "DecodeCudaGraphRunner",
+        "__init__",
+        "model_runner",
+        "attn_backend",
+        "speculative_num_steps",
+        "speculative_num_draft_tokens",
+        "record_nolora_graph",
+    ),
+    *_members(
+        "sglang.srt.model_executor.runner_utils.buffers",
+        "DecodeInputBuffers",
+        "input_ids",
+        "positions",
+        "custom_mask",
+    ),
+    *_members(
+        "sglang.srt.layers.radix_attention",
+        "RadixAttention",
+        "sliding_window_size",
+        "layer_id",
+        "is_cross_attention",
+        "attn_type",
+        "tp_q_head_num",
+        "qk_head_dim",
+        "v_head_dim",
+        "scaling",
+    ),
+    *_members("sglang.srt.layers.radix_attention", "AttentionType", "ENCODER_ONLY"),
+    *_members(
+        "sglang.srt.layers.attention.torch_native_backend",
+        "TorchNativeAttnBackend",
+        "token_to_kv_pool",
+        "swa_out_cache_loc",
+        "req_to_token_pool",
+    ),
+    *_members(
+        "sglang.srt.distributed.parallel_state",
+        "GroupCoordinator",
+        "world_size",
+        "rank_in_group",
+        "ranks",
+        "cpu_group",
+        "broadcast",
+        "all_gather",
+    ),
+)
+"""The model runners, forward batches and results, attention layers and process groups the glue drives
+(worker, spec_input, graphs, cpu_support, rank_sync); checked at import."""
+
+RUNTIME_CONFIG_INTERNALS: tuple[Internal, ...] = (
+    _call(_RUNTIME, "RuntimeContext", "override", "source"),
+    *_members(_RUNTIME, "ParallelContext", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank", "attn_tp_rank"),
+    *_members(
+        f"{_FIELDS}.spec",
+        "Spec",
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+        "speculative_dflash_block_size",
+    ),
+    *_members(f"{_FIELDS}.schedule", "Schedule", "max_running_requests"),
+    *_members(f"{_FIELDS}.exec_", "ExecKernel", "sampling_backend"),
+    *_members(f"{_FIELDS}.observability", "Observability", "enable_metrics", "extra_metric_labels"),
+    *_members(f"{_FIELDS}.serving", "Serving", "served_model_name"),
+    *_members(f"{_FIELDS}.disagg", "Disagg", "disaggregation_mode", "enable_pd_role_switch"),
+    *_members("sglang.srt.disaggregation.utils", "DisaggregationMode", "to_engine_type"),
+)
+"""The leaves of SGLang's runtime configuration bags the glue reads (the leaf
+`get_spec().speculative_dflash_block_size` is the `Spec` field of that name); checked at import."""
+
+REQUEST_FIELDS: tuple[Internal, ...] = (
+    *_members(
+        _BATCH,
+        "Req",
+        "sampling_params",
+        "custom_logit_processor",
+        "return_hidden_states",
+        "return_sampling_mask",
+    ),
+    *_members(
+        _SAMPLING_PARAMS,
+        "SamplingParams",
+        "watermark",
+        "beam_width",
+        "ignore_eos",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+    ),
+)
+"""What `request_support` reads of a request to refuse it: each refusal reads one of these, directly, so a
+field SGLang renames fails this check (and the refusal raises) instead of turning the refusal off."""
+
+RESOLUTION_INTERNALS: tuple[Internal, ...] = (
+    *_internals("sglang.srt.arg_groups.resolution_hooks", "register_resolution_hook"),
+    *_internals("sglang.srt.arg_groups.platform_hook", "handle_cpu_backends"),
+    *_internals("sglang.srt.arg_groups.overrides", "declare_resolution", "resolving_view", "model_config_of"),
+    *_internals("sglang.srt.utils.hf_transformers_utils", "get_config"),
+    *_internals("sglang.srt.speculative.dflash_utils", "parse_dflash_draft_config"),
+    *_members(
+        "sglang.srt.speculative.dflash_utils",
+        "DFlashDraftConfig",
+        "selector_rank",
+        "output_multiplier",
+        "final_logit_softcapping",
+        "projector_type",
+        "is_domino",
+    ),
+)
+"""The server-argument resolution `registration` joins: the pipeline step it wraps (`handle_cpu_backends`,
+named to `register_resolution_hook`), the helpers its handler reads the arguments with, and the drafter
+config fields it refuses; checked at import."""
+
 TORCH_NATIVE_FORWARD_EXTEND = Internal(
     "sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend", "forward_extend"
 )
@@ -201,6 +562,7 @@ REGISTRATION_HOOKS: tuple[Internal, ...] = (
     Internal("sglang.srt.managers.scheduler", "Scheduler", "__init__"),
     Internal("sglang.srt.speculative.dflash_utils", "validate_dflash_request"),
     Internal(_RUNNER, "ModelRunner", "_decode_cuda_graph_runner_cls"),
+    Internal("sglang.srt.server_args", "ServerArgs", "resolve_once"),
     Internal(
         "sglang.srt.managers.scheduler_components.output_streamer", "SchedulerOutputStreamer", "stream_output"
     ),
@@ -273,18 +635,29 @@ def resolves(internal: Internal) -> bool:
         return False
     if not hasattr(module, internal.name):
         return False
-    if internal.attribute is None:
-        return True
     owner = getattr(module, internal.name)
+    if internal.attribute is None:
+        return _accepts(owner, internal.parameters)
     if hasattr(owner, internal.attribute):
-        return True
-    if not isinstance(owner, type):
+        return _accepts(getattr(owner, internal.attribute), internal.parameters)
+    if not isinstance(owner, type) or internal.parameters:
         return False
     return any(
         internal.attribute in vars(cls).get("__annotations__", {})
         or internal.attribute in _assigned_attributes(cls)
         for cls in owner.__mro__
     )
+
+
+def _accepts(target: Any, parameters: Sequence[str]) -> bool:
+    """Whether the callable `target` (a class: its constructor) has a parameter of each name."""
+    if not parameters:
+        return True
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # not a callable, or one without a signature
+        return False
+    return all(name in signature.parameters for name in parameters)
 
 
 def missing_internals(internals: Sequence[Internal]) -> list[Internal]:
@@ -319,13 +692,26 @@ def require(
         )
 
 
-require((*SERVING_INTERNALS, *CPU_HOOKS, *REGISTRATION_HOOKS))
+IMPORT_CHECKED: tuple[Internal, ...] = (
+    *SERVING_INTERNALS,
+    *STATE_INTERNALS,
+    *FORWARD_INTERNALS,
+    *RUNTIME_CONFIG_INTERNALS,
+    *REQUEST_FIELDS,
+    *RESOLUTION_INTERNALS,
+    *CPU_HOOKS,
+    *REGISTRATION_HOOKS,
+)
+"""Everything checked when this module is imported (all but `MEASUREMENT_INTERNALS`)."""
+
+require(IMPORT_CHECKED)
 
 from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES, add_draft_attention_backend_choices
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.managers.overlap_utils import FutureMap
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
 from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
@@ -371,6 +757,7 @@ __all__ = [
     "DisaggregationMode",
     "ForwardBatch",
     "ForwardMode",
+    "FutureMap",
     "GenerationBatchResult",
     "GrammarTree",
     "HookRegistry",
@@ -471,9 +858,62 @@ def attention_backend_of(model_runner: ModelRunner) -> AttentionBackend:
     return model_runner._get_attention_backend()
 
 
+def set_draft_block_size(worker: DFlashWorkerV2, block_size: int) -> None:
+    """Make the DFlash draft model run blocks of `block_size` tokens (root + MASK x (block_size - 1))."""
+    worker.draft_model.set_block_size(block_size)
+
+
+def kv_index_translator(model_runner: ModelRunner) -> KVIndexTranslator:
+    """The model runner's KV index translator (plans a forward's KV slots, binds them to a ForwardBatch)."""
+    return model_runner.kv_index_translator
+
+
+def target_forward(target_worker: TpModelWorker, forward_batch: ForwardBatch) -> GenerationBatchResult:
+    """The target's forward of a ForwardBatch prepared (attention planned) for a verify or decode pass:
+    logits of every row and, as the batch's capture mode asks, hidden states."""
+    return target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+
+
 def hook_applied(target: Internal) -> bool:
     """Whether SGLang's HookRegistry has patched `target`."""
     return target.target in HookRegistry._patched
+
+
+# ---- the scheduler's batch and requests -----------------------------------------------------------------
+
+
+def maybe_evict_swa(batch: ScheduleBatch) -> None:
+    """SGLang's sliding-window KV eviction, run before a decode step allocates (no-op without such layers)."""
+    batch.maybe_evict_swa()
+
+
+def committed_kv_len(req: Req) -> int:
+    """Tokens of `req` whose KV is committed in the cache (SGLang's `req.kv.kv_committed_len`)."""
+    return int(req.kv.kv_committed_len)
+
+
+def count_decode_step(reqs: Sequence[Req]) -> None:
+    """Advance each request's decode-step counter (`Req.decode_batch_idx`), as SGLang's own decode
+    preparation does once per decode step."""
+    for req in reqs:
+        req.decode_batch_idx += 1
+
+
+def future_map(
+    device: torch.device,
+    spec_algorithm: Any,
+    req_to_token_pool: ReqToTokenPool,
+    needs_cpu_seq_lens: bool,
+    needs_confidence_relay: bool,
+) -> FutureMap:
+    """SGLang's overlap-scheduler relay (`FutureMap`), built by keyword (its parameters are declared)."""
+    return FutureMap(
+        device=device,
+        spec_algo=spec_algorithm,
+        req_to_token_pool=req_to_token_pool,
+        needs_cpu_seq_lens=needs_cpu_seq_lens,
+        needs_confidence_relay=needs_confidence_relay,
+    )
 
 
 # ---- SGLang's sampling batch --------------------------------------------------------------------------

@@ -1,19 +1,23 @@
-"""The project's import graph: no circles, and the floors of DESIGN's layout respected.
+"""The project's import graph: no circles, and every module on its floor (architecture page, "Floors").
 
-The graph is read from the source (every `import` / `from ... import`, at module level or inside a function,
-since a lazy import still ties two modules together), over the four packages `bastion_sglang`, its
-`controller`, `kernels` and `calibration`. `from package import name` points at the submodule when `name` is
-one, else at the package. An import of a module's own ancestor package is not an edge (Python imports the
-parents first whatever the code says).
+The graph is read from the source (every `import` / `from ... import`, at module level, inside a function or
+under `TYPE_CHECKING`, since a lazy import still ties two modules together), over the four packages
+`bastion_sglang`, its `controller`, `kernels` and `calibration`. `from package import name` points at the
+submodule when `name` is one, else at the package. An import of a module's own ancestor package is not an
+edge (Python imports the parents first whatever the code says).
+
+Floors are `FLOORS`, bottom up: a module imports project modules of its own floor or below only, and
+SGLang only on a floor that allows it. To place a new module, add its dotted name (or a package pattern,
+`name.*`) to the `modules` of its floor; `test_every_module_has_one_floor` fails until it is placed.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import fnmatch
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
@@ -118,18 +122,185 @@ def test_no_import_circles() -> None:
     assert circles(import_graph()) == []
 
 
-@pytest.mark.parametrize(
-    ("floor", "forbidden"),
-    [
-        ("bastion_sglang.controller", "sglang"),
-        ("bastion_sglang.kernels", "sglang"),
-        ("bastion_sglang.config", "sglang"),
-        ("bastion_sglang.timing", "sglang"),
-    ],
+@dataclass(frozen=True)
+class Floor:
+    """One floor of the architecture page's "Floors": the modules on it and whether they may import SGLang."""
+
+    name: str
+    modules: tuple[str, ...]  # dotted module names; "pkg.*" also places every module under pkg
+    sglang: bool  # whether its modules may import SGLang (at run time or for types)
+
+
+def _under(package: str) -> tuple[str, str]:
+    return package, f"{package}.*"
+
+
+_P = "bastion_sglang"
+FLOORS: tuple[Floor, ...] = (
+    Floor("controller", _under(f"{_P}.controller"), sglang=False),
+    Floor("kernels", _under(f"{_P}.kernels"), sglang=False),
+    Floor("config", (f"{_P}.config", f"{_P}.timing", f"{_P}.drafter_config"), sglang=False),
+    Floor(
+        "calibration store and lookup",
+        (
+            f"{_P}.calibration",
+            *(
+                f"{_P}.calibration.{name}"
+                for name in (
+                    "identity",
+                    "store",
+                    "lookup",
+                    "fitting",
+                    "microbench",
+                    "random_inputs",
+                    "sweep",
+                    "plot",
+                    "profile_cli",
+                )
+            ),
+        ),
+        sglang=False,
+    ),
+    Floor(
+        "glue without SGLang",
+        tuple(f"{_P}.{name}" for name in ("step_controller", "draft_context", "graph_buckets")),
+        sglang=False,
+    ),
+    Floor("SGLang adapter", (f"{_P}.sglang_adapter",), sglang=True),
+    Floor(
+        "glue",
+        tuple(
+            f"{_P}.{name}"
+            for name in (
+                "worker",
+                "draft_protocols",
+                "graphs",
+                "spec_input",
+                "cpu_support",
+                "metrics",
+                "request_support",
+                "request_penalties",
+                "rank_sync",
+                "drafter_forward",
+                "accept",
+                "commit",
+                "target_forward",
+                "planning_setup",
+            )
+        ),
+        sglang=True,
+    ),
+    Floor("registration", (_P, f"{_P}.registration"), sglang=True),
+    Floor(
+        "commands",
+        (
+            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve", "prompt_sets", "assets")),
+            *_under(f"{_P}.bench"),
+            *_under(f"{_P}.reference"),
+            *_under(f"{_P}.training"),
+            *(
+                f"{_P}.calibration.{name}"
+                for name in ("__main__", "cli", "engines", "sglang_runner", "acceptance_run")
+            ),
+        ),
+        sglang=True,
+    ),
 )
-def test_lower_floors_do_not_import_sglang(floor: str, forbidden: str) -> None:
-    """controller/, kernels/, the config and the timing module are importable without SGLang."""
-    for name, path in project_modules().items():
-        if name == floor or name.startswith(floor + "."):
-            bases = {base for base, _ in _imported_names(name, path)}
-            assert not {b for b in bases if b == forbidden or b.startswith(forbidden + ".")}, name
+"""Bottom up. The glue's floor is split: the modules that never touch SGLang (the step controller among
+them) below the adapter, the adapter at the bottom of the rest. The commands, which build servers and
+engines with registration's `make_config`, sit on top."""
+
+
+def floor_index(module: str, floors: Sequence[Floor]) -> list[int]:
+    """The indices of the floors whose `modules` place `module` (one, for a placed module)."""
+    return [
+        index
+        for index, floor in enumerate(floors)
+        if any(fnmatch.fnmatchcase(module, pattern) for pattern in floor.modules)
+    ]
+
+
+def floor_violations(graph: Mapping[str, set[str]], floors: Sequence[Floor]) -> list[str]:
+    """Every edge of `graph` from a module to a project module on a higher floor, as text naming both
+    modules and floors (modules not placed on exactly one floor are `test_every_module_has_one_floor`'s)."""
+    placed = {module: found[0] for module in graph if len(found := floor_index(module, floors)) == 1}
+    return [
+        f"{module} ({floors[placed[module]].name}) imports {target} ({floors[placed[target]].name})"
+        for module in sorted(graph)
+        for target in sorted(graph[module])
+        if module in placed and target in placed and placed[target] > placed[module]
+    ]
+
+
+def sglang_violations(imports: Mapping[str, set[str]], floors: Sequence[Floor]) -> list[str]:
+    """Every module on a floor without SGLang that imports it. imports: module -> every module name it
+    imports (project or not)."""
+    return [
+        f"{module} ({floors[found[0]].name}) imports {name}"
+        for module in sorted(imports)
+        if len(found := floor_index(module, floors)) == 1 and not floors[found[0]].sglang
+        for name in sorted(imports[module])
+        if name == "sglang" or name.startswith("sglang.")
+    ]
+
+
+def imported_names() -> dict[str, set[str]]:
+    """module -> every module name its import statements name (project, SGLang, anything)."""
+    return {
+        name: {base for base, _ in _imported_names(name, path)} for name, path in project_modules().items()
+    }
+
+
+SYNTHETIC = (
+    Floor("low", ("pkg.low", "pkg.low.*"), sglang=False),
+    Floor("high", ("pkg.high",), sglang=True),
+)
+
+
+def test_the_floor_check_finds_an_upward_edge() -> None:
+    """A deliberately wrong edge (the low floor importing the high one) is reported; the right ones not."""
+    graph = {"pkg.low": {"pkg.low.sub"}, "pkg.low.sub": set(), "pkg.high": {"pkg.low"}}
+    assert floor_violations(graph, SYNTHETIC) == []
+    graph["pkg.low.sub"] = {"pkg.high"}
+    assert floor_violations(graph, SYNTHETIC) == ["pkg.low.sub (low) imports pkg.high (high)"]
+
+
+def test_the_sglang_check_finds_sglang_on_a_floor_without_it() -> None:
+    imports = {"pkg.low": {"torch"}, "pkg.high": {"sglang.srt.server_args"}}
+    assert sglang_violations(imports, SYNTHETIC) == []
+    imports["pkg.low"].add("sglang.srt.managers.schedule_batch")
+    assert sglang_violations(imports, SYNTHETIC) == [
+        "pkg.low (low) imports sglang.srt.managers.schedule_batch"
+    ]
+
+
+def test_every_module_has_one_floor() -> None:
+    """A new module must be placed on a floor in FLOORS (module docstring), and on one only."""
+    misplaced = {
+        module: found for module in project_modules() if len(found := floor_index(module, FLOORS)) != 1
+    }
+    assert misplaced == {}
+
+
+def test_modules_import_only_their_floor_or_below() -> None:
+    assert floor_violations(import_graph(), FLOORS) == []
+
+
+def test_floors_without_sglang_do_not_import_it() -> None:
+    """controller/, kernels/, the config and timing modules, calibration's store and lookup and the glue
+    below the adapter (the step controller among it) import no SGLang, not even for types."""
+    assert sglang_violations(imported_names(), FLOORS) == []
+
+
+def test_the_controller_imports_neither_sglang_nor_kernels() -> None:
+    """The floors' rule for the bottom floor, read off the graph directly."""
+    graph, names = import_graph(), imported_names()
+    controller = [module for module in graph if floor_index(module, FLOORS) == [0]]
+    assert f"{_P}.controller.policies" in controller
+    kernels = {module for module in graph if fnmatch.fnmatchcase(module, f"{_P}.kernels*")}
+    assert {module: graph[module] & kernels for module in controller if graph[module] & kernels} == {}
+    assert {
+        module: sorted(name for name in names[module] if name.split(".")[0] == "sglang")
+        for module in controller
+        if any(name.split(".")[0] == "sglang" for name in names[module])
+    } == {}

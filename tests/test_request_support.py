@@ -12,6 +12,7 @@ from bastion_sglang.request_support import (
     REFUSAL_PREFIX,
     unsupported_parameter,
 )
+from bastion_sglang.sglang_adapter import REQUEST_FIELDS, Internal
 
 
 def fake_req(**fields: Any) -> SimpleNamespace:
@@ -46,3 +47,48 @@ def test_plain_requests_pass() -> None:
 def test_each_refusal_names_its_parameter(name: str, fields: dict[str, Any]) -> None:
     message = unsupported_parameter(fake_req(**fields))
     assert message is not None and message.startswith(REFUSAL_PREFIX) and name in message
+
+
+class Recording:
+    """A request or its sampling parameters that records which attributes are read (and has no defaults: a
+    field it lacks raises AttributeError)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name: str) -> Any:
+        self.read.add(name)
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def recording_req(drop: str | None = None) -> Recording:
+    """A plain request whose every field a refusal may read is set (ignore_eos on, so the grammar fields are
+    read too), except `drop`."""
+    fake = fake_req(ignore_eos=True)
+    params = {key: value for key, value in vars(fake.sampling_params).items() if key != drop}
+    req = {key: value for key, value in vars(fake).items() if key != drop}
+    if "sampling_params" in req:
+        req["sampling_params"] = Recording(params)
+    return Recording(req)
+
+
+def test_every_field_a_refusal_reads_is_declared_in_the_adapter() -> None:
+    """The refusals read exactly the fields `sglang_adapter.REQUEST_FIELDS` declares (and checks against
+    the installed SGLang), so an SGLang rename is reported there."""
+    req = recording_req()
+    assert unsupported_parameter(req) is None
+    read = {("Req", name) for name in req.read} | {
+        ("SamplingParams", name) for name in req.fields["sampling_params"].read
+    }
+    assert read == {(field.name, field.attribute) for field in REQUEST_FIELDS}
+
+
+@pytest.mark.parametrize("field", REQUEST_FIELDS, ids=str)
+def test_a_missing_field_fails_closed(field: Internal) -> None:
+    """A field SGLang no longer has is an error, never a silently accepted request."""
+    with pytest.raises(AttributeError, match=str(field.attribute)):
+        unsupported_parameter(recording_req(drop=field.attribute))

@@ -12,24 +12,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bastion_sglang.registration import CHOOSE_BACKEND_STEP
 from bastion_sglang.sglang_adapter import (
-    CPU_HOOKS,
+    IMPORT_CHECKED,
     MEASUREMENT_INTERNALS,
     PINNED_VERSION,
     REGISTRATION_HOOKS,
+    RESOLUTION_INTERNALS,
     SERVING_INTERNALS,
     Internal,
     SglangMismatchError,
     SglangVersionWarning,
     add_graph_usage,
     append_target_hidden_to_draft_kv,
+    committed_kv_len,
+    count_decode_step,
+    future_map,
     gathered_verify_logits,
     missing_internals,
     require,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DECLARED = (*SERVING_INTERNALS, *CPU_HOOKS, *REGISTRATION_HOOKS, *MEASUREMENT_INTERNALS)
+DECLARED = (*IMPORT_CHECKED, *MEASUREMENT_INTERNALS)
 BOGUS = Internal("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2", "_no_such_attribute")
 
 
@@ -73,6 +78,25 @@ def test_instance_and_class_attributes_resolve_but_not_others() -> None:
     assert missing_internals([BOGUS]) == [BOGUS]
 
 
+def test_parameters_passed_by_keyword_are_checked_by_name() -> None:
+    """A keyword BASTION passes must be a parameter of the callable (a class: its constructor); a renamed one
+    is reported with the parameters BASTION passes."""
+    future = Internal("sglang.srt.managers.overlap_utils", "FutureMap", None, ("device", "spec_algo"))
+    method = Internal(
+        "sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator", "plan", ("read_extent",)
+    )
+    renamed = Internal("sglang.srt.managers.overlap_utils", "FutureMap", None, ("device", "speculative_algo"))
+    field = Internal("sglang.srt.managers.schedule_batch", "ReqKvInfo", "kv_committed_len", ("x",))
+    assert missing_internals([future, method, renamed, field]) == [renamed, field]
+    assert str(renamed) == "sglang.srt.managers.overlap_utils.FutureMap(device, speculative_algo)"
+
+
+def test_the_attention_backend_step_is_declared() -> None:
+    """registration wraps a resolution step by name (SGLang refuses an unknown name at registration); the
+    step is a declared function of SGLang's pipeline."""
+    assert Internal("sglang.srt.arg_groups.platform_hook", CHOOSE_BACKEND_STEP) in RESOLUTION_INTERNALS
+
+
 def test_every_hook_registration_makes_is_declared() -> None:
     """registration.py registers its hooks by dotted name; each must be a declared target."""
     tree = ast.parse((ROOT / "bastion_sglang" / "registration.py").read_text())
@@ -91,10 +115,16 @@ def test_every_hook_registration_makes_is_declared() -> None:
 
 
 def test_glue_takes_sglang_internals_from_the_adapter() -> None:
-    """Outside the adapter and registration's plugin hooks, glue modules import SGLang only for types."""
-    glue = ("worker", "spec_input", "graphs", "cpu_support", "metrics", "request_penalties", "rank_sync")
-    for name in glue:
-        path = ROOT / "bastion_sglang" / f"{name}.py"
+    """Outside the adapter and registration's plugin hooks, modules of `bastion_sglang/` (every glue module,
+    new ones included) import SGLang only for types."""
+    glue = sorted(
+        path
+        for path in (ROOT / "bastion_sglang").glob("*.py")
+        if path.stem not in ("sglang_adapter", "registration")
+    )
+    assert {"worker", "spec_input", "request_support"} <= {path.stem for path in glue}
+    for path in glue:
+        name = path.stem
         tree = ast.parse(path.read_text())
         type_only = {
             id(node)
@@ -150,3 +180,23 @@ def test_draft_kv_commit_passes_the_flat_and_2d_slots() -> None:
     (call,) = calls
     assert torch.equal(call["cache_loc"], torch.tensor([4, 5, 9, 8])) and call["cache_loc_2d"] is slots
     assert call["target_hidden"] is hidden and call["positions"] is positions and call["commit_lens"] is lens
+
+
+def test_committed_length_and_decode_counter_of_requests() -> None:
+    reqs = [SimpleNamespace(kv=SimpleNamespace(kv_committed_len=7), decode_batch_idx=0) for _ in range(2)]
+    assert committed_kv_len(reqs[0]) == 7
+    count_decode_step(reqs)
+    count_decode_step(reqs[:1])
+    assert [req.decode_batch_idx for req in reqs] == [2, 1]
+
+
+def test_future_map_is_sglangs_with_host_lengths() -> None:
+    """Built by keyword: the scheduler's relay with the host copy of the sequence lengths kept."""
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=4, max_context_len=8, device="cpu", enable_memory_saver=False)
+    algorithm = SimpleNamespace(name="BASTION")
+    relay = future_map(torch.device("cpu"), algorithm, pool, True, False)
+    assert isinstance(relay, FutureMap) and relay.spec_algo is algorithm
+    assert (relay.needs_cpu_seq_lens, relay.needs_confidence_relay) == (True, False)
