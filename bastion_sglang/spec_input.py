@@ -12,12 +12,18 @@ its bonus tokens in the future map, sets `future_indices`, and fills `bonus_toke
 `seq_lens` from the map before the next forward (architecture page, "Overlap scheduling").
 `BastionVerifyInput` is what the target's TARGET_VERIFY forward reads (tokens, positions, the flat ancestor
 mask, the width W).
+
+The forward builders of a decode step are here too: `prepare_verify_forward` (the target's tree pass),
+`plain_decode_forward` (the target's DECODE pass of the roots alone, as SGLang runs it without speculation)
+and `prepare_draft_forward` (the drafter's block pass).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +33,9 @@ from bastion_sglang.sglang_adapter import (
     ForwardMode,
     SpecInput,
     SpecInputType,
+    SpeculativeAlgorithm,
     alloc_for_spec_decode,
+    enable_num_token_non_padded,
     page_aligned_decode_alloc_lens,
 )
 
@@ -259,3 +267,109 @@ def prepare_verify_forward(
         return verify_input.prepare_for_verify(batch, model_runner)
     finally:
         batch.seq_lens_cpu, batch.seq_lens_sum = saved
+
+
+PLAIN_DECODE_FIELDS = (
+    "forward_mode",
+    "spec_info",
+    "input_ids",
+    "out_cache_loc",
+    "seq_lens",
+    "seq_lens_cpu",
+    "orig_seq_lens",
+    "seq_lens_sum",
+)
+"""The scheduler batch's fields `plain_decode_forward` sets for its DECODE forward and restores."""
+
+
+@contextmanager
+def plain_decode_forward(
+    batch: ScheduleBatch,
+    model_runner: ModelRunner,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_cpu: torch.Tensor,
+) -> Iterator[ForwardBatch]:
+    """The target's plain DECODE ForwardBatch of one token per request, as SGLang builds it without
+    speculation (no tree mask, no verify layout), with every hidden state captured (the drafter's features);
+    run the forward inside the block.
+
+    tokens: [B] the roots (bonus tokens); slots: [B] KV slots at position L_b; prefix: [B] committed lengths
+    L_b (prefix_cpu: their host copy). The batch fields of PLAIN_DECODE_FIELDS are restored on exit.
+    """
+    saved = {name: getattr(batch, name) for name in PLAIN_DECODE_FIELDS}
+    batch.forward_mode = ForwardMode.DECODE
+    batch.spec_info = None
+    batch.input_ids = tokens
+    batch.out_cache_loc = slots
+    batch.seq_lens = (prefix + 1).to(saved["seq_lens"].dtype)
+    batch.seq_lens_cpu = prefix_cpu + 1
+    batch.orig_seq_lens = batch.seq_lens.to(saved["orig_seq_lens"].dtype)
+    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    try:
+        yield ForwardBatch.init_new(
+            batch,
+            model_runner,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            return_hidden_states_before_norm=False,
+        )
+    finally:
+        for name, value in saved.items():
+            setattr(batch, name, value)
+
+
+def prepare_draft_forward(
+    batch: ScheduleBatch,
+    target_runner: ModelRunner,
+    draft_runner: ModelRunner,
+    block_ids: torch.Tensor,
+    embeds: torch.Tensor,
+    prefix: torch.Tensor,
+    block_offsets: torch.Tensor,
+    block_spec_info: Any,
+) -> ForwardBatch:
+    """The drafter's ForwardBatch over each request's block [root, MASK x (γ-1)] at positions L_b..L_b+γ-1,
+    written to the drafter KV at slots req_to_token[r, L_b : L_b + γ] (overwritten by the commit later).
+
+    target_runner: the target's model runner (its req_to_token and KV index translator plan the slots);
+    draft_runner: the drafter's. block_ids: [B, γ] int64; embeds: [B, γ, H] the block's input embeddings;
+    prefix: [B] int64 committed lengths L_b; block_offsets: [γ] int64 0..γ-1; block_spec_info: DFlash's
+    block spec info (`sglang_adapter.install_draft_block_spec_info`).
+    """
+    bs, block = block_ids.shape
+    positions = prefix[:, None] + block_offsets  # [B, γ]
+    rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
+    cache_loc = target_runner.req_to_token_pool.req_to_token[rows_index, positions].to(torch.int64)
+    seq_lens_cpu = batch.seq_lens_cpu + block  # host bound on what the block attends to
+    plan = target_runner.kv_index_translator.plan(
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=prefix,
+        seq_lens_cpu=batch.seq_lens_cpu,
+        write_virtual=cache_loc.reshape(-1),
+        read_extent=block,
+    )
+    forward_batch = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        batch_size=bs,
+        input_ids=block_ids.reshape(-1),
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=prefix,
+        out_cache_loc=cache_loc.reshape(-1),
+        seq_lens_sum=int(seq_lens_cpu.sum()),
+        seq_lens_cpu=seq_lens_cpu,
+        positions=positions.reshape(-1),
+        input_embeds=embeds.reshape(bs * block, -1),
+        spec_algorithm=SpeculativeAlgorithm.DFLASH,
+        spec_info=block_spec_info,
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+        num_token_non_padded=(
+            torch.full((), bs * block, dtype=torch.int32, device=block_ids.device)
+            if enable_num_token_non_padded()
+            else None
+        ),
+        global_num_token_non_padded_cpu=bs * block,
+        can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+    )
+    plan.bind(forward_batch, draft_runner.kv_index_translator)
+    return forward_batch

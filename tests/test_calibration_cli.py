@@ -267,7 +267,7 @@ def test_server_finds_the_sglang_profile_with_auto(
     from sglang.srt.server_args import ServerArgs
 
     from bastion_sglang.config import BastionConfig
-    from bastion_sglang.worker import worker_latency_model
+    from bastion_sglang.planning_setup import worker_latency_model
 
     target, drafter = pair
     store = tmp_path / "store"

@@ -198,7 +198,7 @@ def test_adaptive_skips_a_drafter_that_does_not_pay_and_keeps_its_context(target
     assert first_skip <= 4 and steps[probe].draft is not None, (first_skip, probe)
     assert probe - first_skip > 16  # a run of skipped steps, not one at a time
     assert all(step.draft is None and step.nodes == 0 for step in steps[first_skip:probe])
-    assert state.gate is not None and state.gate.skipped_share > 0.5
+    assert state.controller is not None and state.controller.gate.skipped_share > 0.5
 
     drafter, context = engine.proposer.drafter, engine.proposer.cache
     assert context is not None and context.length == state.ctx_len - state.new_features.shape[0]

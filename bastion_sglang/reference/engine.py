@@ -15,10 +15,12 @@ token at position ctx:
    the accepted tokens and the bonus are emitted; the accepted positions' target features go to the
    drafter next step; the measured verify time updates the latency model's EMA.
 
-Declining to speculate. A policy that `may_decline` (adaptive, bucketed) runs with the worker's
-`SpeculationGate` (one per request, batch 1): a drafted step whose best speculative plan does not beat plain
-decoding (`BatchPlan.speculative_speedup` <= 1, drafter pass included) verifies the root only, and the next
-steps skip the drafter and decode plainly until the gate's backoff probes again; before a probe, the
+Decisions. Each request that drafts has its own `StepController`, the worker's (batch 1): the gate, the
+drafted steps' evidence, the acceptance tracker (fed the realised accepted counts) and the pending plans; the
+engine's latency model and step-cost tracker are shared by its requests. A policy that `may_decline`
+(adaptive, bucketed) declines as the worker does: a drafted step whose best speculative plan does not beat
+plain decoding (`BatchPlan.speculative_speedup` <= 1, drafter pass included) verifies the root only, and the
+next steps skip the drafter and decode plainly until the gate's backoff probes again; before a probe, the
 request's last drafted Â curve re-priced at the current context (`speculation_ceiling`) may veto it. A
 skipped step keeps the target features of its position for the drafter, which reads them at the next drafted
 step, so the drafter's context stays complete. Steps and outputs are those of plain decoding while skipping.
@@ -33,7 +35,7 @@ the timing-driven budget choices (up to floating-point differences between the p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +43,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from bastion_sglang.controller import BudgetPolicy, build_trees_auto, parse_policy, plan_batch
+from bastion_sglang.controller import BudgetPolicy, parse_policy
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
-from bastion_sglang.controller.gate import SpeculationCeiling, SpeculationGate, speculation_ceiling
+from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
@@ -64,12 +66,15 @@ from bastion_sglang.reference.proposer import DFlashProposer
 from bastion_sglang.reference.sampling import SamplingParams
 from bastion_sglang.reference.stats import GenerationResult, StepStats
 from bastion_sglang.reference.target import SlotCache, TargetModel, load_causal_lm
+from bastion_sglang.step_controller import StepController, StepRecord, StepStart
 from bastion_sglang.timing import StageTimer
 
 MAX_TOPK = 64
 """Largest K (candidates per draft position) the engine asks the proposer for."""
 COST_DECAY = 0.9
 """Weight the online step-cost estimates keep per step (`StepCostTracker`; when no StepCosts are given)."""
+REQUEST = "request"
+"""The request id a request's own step controller knows it by (one request per controller)."""
 
 
 @dataclass
@@ -88,8 +93,7 @@ class DecodeState:
     cache: SlotCache  # the target's KV cache: rows 0..length-2 after every step
     uniforms: torch.Tensor | None  # [max_new_tokens + D + 1] float32: one uniform per output index
     new_features: torch.Tensor | None = None  # [n, F·h] features of cache positions not yet drafted from
-    gate: SpeculationGate | None = None  # a policy that may decline: whether each step drafts
-    accept_curve: tuple[float, ...] | None = None  # [N + 1] Â(n) of the last drafted step, for the ceiling
+    controller: StepController | None = None  # the request's step decisions (None: plain decoding)
     output: list[int] = field(default_factory=list)
     finished: bool = False
     prefill_seconds: float = 0.0
@@ -239,10 +243,21 @@ class ReferenceEngine:
         """W_v: the width a verify pass of `nodes` draft nodes (and the root) runs at: its width bucket."""
         return self.latency.padded_width(nodes + 1)
 
-    def _costs_now(self, ctx_len: int) -> StepCosts:
-        if self.step_costs is not None:
-            return self.step_costs
-        return self._costs.costs(l_ar=self.latency.predict_plain_batch_as_of_verify([ctx_len]))
+    def _controller(self, policy: BudgetPolicy, budget: int) -> StepController:
+        """A request's step controller: the engine's latency model and step costs, `policy` at `budget` nodes,
+        the drafter scoring every position."""
+        if self.proposer is None:
+            raise ValueError("a step controller needs a drafter")
+        return StepController(
+            latency=self.latency,
+            costs=self._costs,
+            policy=policy,
+            budget=budget,
+            horizon=DraftHorizon.full(self.proposer.depth),
+            acceptance=self.acceptance,
+            device=self.device,
+            fixed_costs=self.step_costs,
+        )
 
     @torch.no_grad()
     def generate(
@@ -311,7 +326,7 @@ class ReferenceEngine:
             topk=topk,
             cache=self.target.new_cache(prompt_len + max_new_tokens + self._verify_width(budget)),
             uniforms=uniforms,
-            gate=SpeculationGate() if budget_policy is not None and budget_policy.may_decline else None,
+            controller=None if budget_policy is None else self._controller(budget_policy, budget),
         )
         if budget_policy is not None and self.proposer is not None:
             self.proposer.start(prompt_len + max_new_tokens + 1)
@@ -328,20 +343,13 @@ class ReferenceEngine:
         """One decoding step of an unfinished request: a plain one, or draft-plan-verify-accept."""
         if state.finished:
             raise ValueError("the request has finished; start a new one")
-        if state.policy is None:
+        controller = state.controller
+        if controller is None:
             return self._plain_step(state)
-        if state.gate is not None and not state.gate.should_draft(self._ceiling(state)):
-            return self._plain_step(state)
-        return self._speculative_step(state, state.policy)
-
-    def _ceiling(self, state: DecodeState) -> Callable[[], SpeculationCeiling] | None:
-        """The gate's ceiling for the next step: the last drafted step's Â curve priced at this context and
-        step costs (None before the first drafted step)."""
-        curve = state.accept_curve
-        if curve is None:
-            return None
-        ctx = state.ctx_len
-        return lambda: speculation_ceiling(curve, [ctx], self.latency, self._costs_now(ctx))
+        step = controller.begin([state.ctx_len], [state.uniforms is None], [REQUEST])
+        if controller.draft_horizon(step, decides=True) == 0:
+            return self._plain_step(state, step)
+        return self._speculative_step(state, controller, step)
 
     @staticmethod
     def _pick(logits: torch.Tensor, state: DecodeState, index: int) -> torch.Tensor:
@@ -350,9 +358,9 @@ class ReferenceEngine:
             return torch.argmax(logits, dim=-1)
         return sample_tokens(state.sampling.probs(logits), state.uniforms[index : index + 1])
 
-    def _plain_step(self, state: DecodeState) -> StepStats:
-        """One token of plain autoregressive decoding; under a policy (a step the gate skipped) the position's
-        target features are kept for the drafter's next pass."""
+    def _plain_step(self, state: DecodeState, step: StepStart | None = None) -> StepStats:
+        """One token of plain autoregressive decoding; under a policy (`step`: a step the gate skipped) the
+        position's target features are kept for the drafter's next pass and the controller observes it."""
         ctx = state.ctx_len
         predicted = self.latency.predict_plain(ctx)
         timer = StageTimer(self.device)
@@ -369,10 +377,16 @@ class ReferenceEngine:
             if state.policy is not None and out.features is not None and state.new_features is not None:
                 state.new_features = torch.cat([state.new_features, out.features])
         seconds = timer.finish()
-        self.latency.observe_plain(ctx, seconds.verify)
+        controller = state.controller
+        if step is None or controller is None:
+            self.latency.observe_plain(ctx, seconds.verify)
+        else:
+            controller.record(step, None)
+            controller.end_timed(StepRecord(step.index, [1], [ctx], predicted, None, False), seconds)
+            controller.verified([0])
         return StepStats(ctx, 0, 1, 1.0, 0, emitted, predicted, seconds)
 
-    def _speculative_step(self, state: DecodeState, policy: BudgetPolicy) -> StepStats:
+    def _speculative_step(self, state: DecodeState, controller: StepController, step: StepStart) -> StepStats:
         """Draft, plan, verify and accept one tree (module docstring)."""
         if self.proposer is None:
             raise ValueError("a speculative step needs a drafter")
@@ -383,26 +397,12 @@ class ReferenceEngine:
             draft_input = DraftInput(state.tokens[: state.length], state.new_features)
             proposal = self.proposer.propose(draft_input, state.topk)
         with timer.stage("plan"):
-            logprobs = (
-                proposal.logprobs if self.acceptance is None else self.acceptance.apply(proposal.logprobs)
-            )
-            trees = build_trees_auto(logprobs, proposal.token_ids, state.budget)
-            gate = state.gate
-            plan = plan_batch(  # host sync: scores
-                trees,
-                [ctx],
-                self.latency,
-                self._costs_now(ctx),
-                policy,
-                # a backoff probe verifies its tree whatever the estimate, as the worker's does
-                allow_plain=gate is not None and not gate.verifies_probe,
-            )
-            if gate is not None:
-                gate.record(plan.speculative_speedup)
-                state.accept_curve = plan.accept_curve
+            planned = controller.plan(step, proposal)  # host sync: scores
+            controller.record(step, planned)
+            plan = planned.plan
             nodes, expected = plan.node_counts[0], plan.expected_accept[0]
             width = nodes + 1
-            rows = flatten_trees(trees, state.tokens[ctx : ctx + 1], width)
+            rows = flatten_trees(planned.trees, state.tokens[ctx : ctx + 1], width)
             padded = pad_verify_rows(rows, build_verify_layout(rows, ctx_tensor), self._verify_width(nodes))
         with timer.stage("verify"):
             out = self.target.forward(
@@ -428,6 +428,8 @@ class ReferenceEngine:
                 state.new_features = out.features[result.accept_index[0, : accepted + 1]]
         seconds = timer.finish()
         predicted = self.latency.predict(width, ctx)
-        self.latency.observe(width, ctx, seconds.verify)
-        self._costs.observe(seconds.draft, seconds.aux, tokens=width)
+        # the pass ran at its bucket's width, as the worker records it (a width of 1 is a plain step's)
+        record = StepRecord(step.index, [self._verify_width(nodes)], [ctx], predicted, None, True)
+        controller.end_timed(record, seconds)
+        controller.verified([accepted])
         return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds, proposal)

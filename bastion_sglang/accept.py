@@ -1,0 +1,166 @@
+"""The accept stage of a decode step: logit processing, sampling inputs and the accept walk.
+
+Each verify row's logits get, in SGLang's order, the request's output penalties for the output so far plus the
+row's own path (`kernels.apply_tree_penalties`), the grammar along the path (SGLang's `GrammarTree`), then the
+request's logit_bias. T = 0: `kernels.accept_greedy`, the longest path matching the target's argmax; otherwise
+`kernels.accept_sampling` on the target's processed distribution (temperature, top-k, top-p, min-p exactly as
+SGLang's sampler filters them, `sglang_adapter.target_sampling_probs`) with uniforms hashed from the request's
+seed and the sequence position (`kernels.position_uniforms`: seeded output is batch-invariant). A step of
+width 1 (the roots alone) emits the target's token after each root: the argmax, or a sample with the same
+uniforms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bastion_sglang import kernels
+from bastion_sglang.request_penalties import (
+    RecentOutputs,
+    has_output_penalty,
+    output_penalties,
+    sglang_penalty_order,
+)
+from bastion_sglang.sglang_adapter import GrammarTree, build_grammar_vocab_mask, target_sampling_probs
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+
+
+def is_greedy(req: Req) -> bool:
+    """Whether the request decodes greedily (SGLang normalises temperature 0 to top_k = 1)."""
+    params = req.sampling_params
+    return params.top_k == 1 or params.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TreeAccept:
+    """What a tree step commits."""
+
+    order: torch.Tensor  # [B, W] int64: each row's permutation with the accepted path first
+    out_tokens: torch.Tensor  # [B, W] int64: accepted draft tokens, the bonus, then zeros
+    commit_lens: torch.Tensor  # [B] int32: tokens emitted (accepted + 1)
+    bonus_tokens: torch.Tensor  # [B] int64: the next roots
+
+
+@dataclass(frozen=True)
+class RowLogits:
+    """A verify pass's rows, for logit processing: tokens [B, W] int64, ancestors [B, W, W] bool (None: W = 1,
+    the roots alone), the rows' grammar links (None: no grammar request) and SGLang's grammar barrier."""
+
+    tokens: torch.Tensor
+    ancestors: torch.Tensor | None
+    grammar_tree: GrammarTree | None
+    grammar_barrier: Any
+
+
+class Acceptor:
+    """The accept stage (module docstring) for a target of `vocab_size` tokens sampled on SGLang's
+    `sampling_backend`; it keeps the tokens the requests' output_ids lack under overlap scheduling."""
+
+    def __init__(self, vocab_size: int, sampling_backend: str) -> None:
+        kernels.filter_rule(sampling_backend, False, False)  # refuses a backend it cannot reproduce
+        self.vocab_size = vocab_size
+        self._sampling_backend = sampling_backend
+        self._penalty_order = sglang_penalty_order()
+        self.recent_outputs = RecentOutputs()
+
+    def process_logits(
+        self, batch: ScheduleBatch, logits: torch.Tensor, rows: RowLogits, contexts: list[int]
+    ) -> None:
+        """In place, in SGLang's order: the requests' output penalties for the output so far plus each row's
+        path, their grammar along the path, their logit_bias. logits: [B * W, V] of the verify rows;
+        contexts: [B] committed lengths (host)."""
+        bs, width = rows.tokens.shape
+        if any(has_output_penalty(req) for req in batch.reqs):
+            outputs = self.recent_outputs.outputs(batch.reqs, contexts)
+            penalties = output_penalties(batch.reqs, outputs, self.vocab_size, logits.device)
+            ancestors = rows.ancestors
+            if ancestors is None:
+                ancestors = torch.ones((bs, 1, 1), dtype=torch.bool, device=logits.device)
+            kernels.apply_tree_penalties(
+                logits.view(bs, width, -1), rows.tokens, ancestors, penalties, self._penalty_order
+            )
+        sampling_info = batch.sampling_info
+        if rows.grammar_tree is not None:
+            grammar_mask = build_grammar_vocab_mask(
+                reqs=batch.reqs,
+                tree=rows.grammar_tree,
+                sampling_info=sampling_info,
+                device=logits.device,
+                barrier=rows.grammar_barrier,
+            )
+            if grammar_mask is not None:
+                grammar_mask.apply(logits)
+        if sampling_info.logit_bias is not None:
+            logits.view(bs, width, -1).add_(sampling_info.logit_bias[:, None, :])
+
+    def sampling_inputs(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        width: int,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The target's distributions [B, W, V] after each row (`target_sampling_probs`) and the walk's
+        uniforms [B, W] at `positions` [B, W] (the position of each row's next token); (None, None) when every
+        request is greedy. logits: [B * W, V] processed; seeds: [B] int64."""
+        sampling_info = batch.sampling_info
+        if sampling_info.is_all_greedy:
+            return None, None
+        probs = target_sampling_probs(logits, sampling_info, width, self._sampling_backend)
+        return probs, kernels.position_uniforms(seeds, positions)
+
+    def root_targets(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        rows: RowLogits,
+        contexts: list[int],
+        seeds: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> torch.Tensor:
+        """The target's token after each root of a width-1 step: [B] int64, recorded as the step's output.
+        logits: [B, V] the roots' logits (processed here, in place); seeds: [B]; prefix: [B] committed
+        lengths."""
+        self.process_logits(batch, logits, rows, contexts)
+        positions = (prefix + 1)[:, None]  # [B, 1] the position of each target token
+        probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, positions)
+        if probs is None:
+            targets = torch.argmax(logits, dim=-1)
+        else:
+            targets = kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
+        self.recent_outputs.record(batch.reqs, targets[:, None], torch.ones_like(targets, dtype=torch.int32))
+        return targets
+
+    def walk(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        rows: kernels.TreeBatch,
+        row_logits: RowLogits,
+        contexts: list[int],
+        seeds: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> TreeAccept:
+        """The accept walk over verify rows [B, W] (W > 1): the accepted path and bonus of each request,
+        recorded as the step's output. logits: [B * W, V] of the rows (processed here, in place); seeds: [B];
+        prefix: [B] committed lengths."""
+        bs, width = rows.tokens.shape
+        self.process_logits(batch, logits, row_logits, contexts)
+        positions = prefix[:, None] + 1 + rows.depths
+        probs, uniforms = self.sampling_inputs(batch, logits, width, seeds, positions)
+        accept = (
+            kernels.accept_greedy(rows, logits.view(bs, width, -1))
+            if probs is None
+            else kernels.accept_sampling(rows, probs, uniforms)
+        )
+        order = kernels.compaction_order(accept.accept_index, accept.accept_length)
+        out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
+        commit_lens = (accept.accept_length + 1).to(torch.int32)
+        self.recent_outputs.record(batch.reqs, out_tokens, commit_lens)
+        return TreeAccept(order, out_tokens, commit_lens, accept.bonus_tokens)

@@ -1,0 +1,104 @@
+"""The draft stage of a decode step: the DFlash drafter's one pass and the top-K candidates per position.
+
+The drafter runs over each request's block [root, MASK x (γ-1)] at positions L_b..L_b+γ-1 (SGLang's DFlash
+draft forward, `spec_input.prepare_draft_forward`); the target's LM head turns the first h of the γ-1
+positions after the root into logits [B, h, V] (h: the draft horizon, `controller.horizon`; under TP the head
+is sharded by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them;
+`kernels.topk_logprobs` keeps K candidates per position. Nothing is read back to the host here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from bastion_sglang import kernels
+from bastion_sglang import sglang_adapter as sgl
+from bastion_sglang.draft_protocols import DraftLogitsRewriter
+from bastion_sglang.rank_sync import DraftHead
+from bastion_sglang.sglang_adapter import DFlashWorkerV2, draft_tp_context
+from bastion_sglang.spec_input import prepare_draft_forward
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+
+class DrafterForward:
+    """The draft stage of `worker` (a DFlashWorkerV2 whose drafter runs blocks of `block_size` tokens).
+
+    Holds the persistent block buffer ([max_batch, γ] int64: column 0 takes each step's roots, the rest stay
+    MASK), the embedding the drafter reads, the target's LM head as the draft head, and the rewriter.
+    """
+
+    def __init__(
+        self,
+        worker: DFlashWorkerV2,
+        block_size: int,
+        max_batch: int,
+        draft_head: DraftHead,
+        branching: int,
+        rewriter: DraftLogitsRewriter | None,
+    ) -> None:
+        self._worker = worker
+        device = torch.device(worker.device)
+        worker.draft_model.set_block_size(block_size)
+        self._block_spec_info = sgl.install_draft_block_spec_info(worker, block_size)
+        self._block_offsets = torch.arange(block_size, dtype=torch.int64, device=device)
+        self._block_ids = torch.full(
+            (max_batch, block_size), sgl.mask_token_id(worker), dtype=torch.int64, device=device
+        )
+        self._embed = sgl.resolve_dflash_embedding_module(worker.draft_model, worker.model_runner.model)
+        self._noise_scale = sgl.noise_embed_scale(worker)
+        self._draft_head = draft_head
+        self._branching = branching
+        self._rewriter = rewriter
+
+    def top_k(
+        self,
+        batch: ScheduleBatch,
+        roots: torch.Tensor,
+        prefix: torch.Tensor,
+        horizon: int,
+        contexts: Sequence[int],
+    ) -> kernels.DraftTopK:
+        """The drafter's K best candidates for the first h = `horizon` positions after each root:
+        DraftTopK [B, h, K] log-probs and ids. roots: [B] bonus tokens; prefix: [B] committed lengths
+        (contexts: their host copy, for the rewriter)."""
+        logits = self.logits(batch, roots, prefix, horizon)
+        if self._rewriter is not None:
+            logits = self._rewriter(batch.reqs, logits, contexts)
+        return kernels.topk_logprobs(logits, self._branching)
+
+    def logits(
+        self, batch: ScheduleBatch, roots: torch.Tensor, prefix: torch.Tensor, horizon: int
+    ) -> torch.Tensor:
+        """Drafter logits [B, h, V] for the first h = `horizon` of the γ-1 positions after each root.
+
+        roots: [B] bonus tokens; prefix: [B] committed lengths. The block [root, MASK x (γ-1)] is written to
+        the drafter KV at slots req_to_token[r, L : L + γ] (overwritten by the commit later).
+        """
+        worker = self._worker
+        bs = roots.shape[0]
+        block_ids = self._block_ids[:bs]
+        block_ids[:, 0] = roots
+        embeds = self._embed(block_ids)
+        if self._noise_scale != 1.0:
+            embeds = embeds * self._noise_scale
+        forward_batch = prepare_draft_forward(
+            batch,
+            worker.model_runner,
+            worker.draft_model_runner,
+            block_ids,
+            embeds,
+            prefix,
+            self._block_offsets,
+            self._block_spec_info,
+        )
+        with torch.inference_mode(), draft_tp_context(worker.draft_parallel_layout):
+            draft_out = worker.draft_model_runner.forward(forward_batch)
+            hidden = draft_out.logits_output.hidden_states.view(bs, block_ids.shape[1], -1)[
+                :, 1 : 1 + horizon
+            ]
+            return self._draft_head(hidden)

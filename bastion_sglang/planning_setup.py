@@ -1,0 +1,181 @@
+"""What a BASTION worker plans with: its latency profile, latency model, acceptance calibration and step
+controller, resolved once at start-up from `--bastion-profile` and the runtime's identity.
+
+`--bastion-profile PATH` loads that profile; `auto` looks in the profile store for the profile of this
+device, target config, dtype, attention backend and tp. Without one, the worker plans on an uncalibrated
+roofline of the target on this device (CPU_HARDWARE on a CPU, the GPU's datasheet otherwise) corrected
+online by the EMA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bastion_sglang.calibration.identity import RuntimeIdentity, model_config_hash
+from bastion_sglang.calibration.lookup import (
+    ResolvedProfile,
+    resolve_acceptance,
+    resolve_latency_profile,
+)
+from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
+from bastion_sglang.calibration.microbench import datasheet_or_measured, measure_peaks
+from bastion_sglang.calibration.store import ProfileStore
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.horizon import DraftHorizon
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import HardwareSpec
+from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
+from bastion_sglang.step_controller import StepController
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+    from bastion_sglang.metrics import BastionMetrics
+
+logger = logging.getLogger(__name__)
+
+CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
+"""Roofline peaks assumed on a CPU: 100 GFLOP/s and 20 GB/s, the order of a small x86 server under
+PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
+
+
+DRAFT_SHAPE_CONTEXT = 256
+"""Cached tokens per request at which the target's latency model shapes the prior drafter cost over batch
+sizes (`controller.step_costs.draft_seconds_per_request`)."""
+
+
+def worker_latency_model(
+    config: BastionConfig,
+    server_args: ServerArgs,
+    target_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    width_buckets: Sequence[int] | None = None,
+    resolved: ResolvedProfile | None = None,
+) -> tuple[LatencyModel, StepCosts | None]:
+    """The verify-latency model and, from a profile, the fixed step costs (None: measured online).
+
+    width_buckets: the widths verify passes run at (`graph_buckets.planning_widths`: a W between captured
+    CUDA-graph widths costs the width it is padded to); None: every W runs as it is. resolved: the profile
+    `resolve_worker_profile` found (None: resolve it here).
+
+    `--bastion-profile PATH` loads that profile (a profile measured for another device or model: a warning
+    naming both; a corrupt or wrong-version file: ProfileError naming it, so the server refuses to start).
+    `auto` looks in the profile store for the profile of this device, target config, dtype, attention
+    backend and tp; with none, an uncalibrated roofline of the target on this device (CPU_HARDWARE on a
+    CPU, the GPU's datasheet otherwise) corrected online by the EMA, and one warning that names the
+    `bastion calibrate` command to run.
+    """
+    if resolved is None:
+        resolved = resolve_worker_profile(config, server_args, dtype, device)
+    if resolved.profile is not None:
+        logger.info("BASTION: planning with latency profile %s", resolved.path)
+        hardware = None
+    else:
+        hardware = planning_hardware(device, dtype)
+    latency = build_calibrated_latency_model(
+        resolved, target_config, hardware, config.ema_alpha, width_buckets
+    )
+    return latency, None if resolved.profile is None else resolved.profile.step_costs
+
+
+def planning_hardware(device: torch.device, dtype: torch.dtype) -> HardwareSpec:
+    """Peaks of the uncalibrated roofline: CPU_HARDWARE on a CPU; a GPU's datasheet entry, or, for a GPU the
+    table does not list, its peaks measured now (`measure_peaks`, a second or two), with a warning."""
+    if device.type == "cpu":
+        return CPU_HARDWARE
+    name = torch.cuda.get_device_name(device)
+    hardware, measured = datasheet_or_measured(name, lambda: measure_peaks(device, dtype, name))
+    if measured:
+        logger.warning(
+            "BASTION: no datasheet entry for GPU %r; the uncalibrated roofline uses peaks measured at "
+            "start-up: %.1f TFLOP/s, %.0f GB/s",
+            name,
+            hardware.peak_flops / 1e12,
+            hardware.bandwidth / 1e9,
+        )
+    return hardware
+
+
+def resolve_worker_profile(
+    config: BastionConfig, server_args: ServerArgs, dtype: torch.dtype, device: torch.device
+) -> ResolvedProfile:
+    """The calibration profile of this runtime (`--bastion-profile`: a path, or `auto` from the store); its
+    warnings are logged here, once."""
+    identity = RuntimeIdentity.for_runtime(
+        device=device,
+        model_path=server_args.model_path,
+        dtype=dtype,
+        attention_backend=str(server_args.attention_backend),
+        tp_size=int(server_args.tp_size),
+        engine="sglang",
+        draft_model_path=server_args.speculative_draft_model_path,
+    )
+    spec = "auto" if config.profile_path is None else config.profile_path
+    resolved = resolve_latency_profile(spec, identity, ProfileStore.locate(None))
+    for warning in resolved.warnings:
+        logger.warning("BASTION: %s", warning)
+    return resolved
+
+
+def worker_acceptance(
+    resolved: ResolvedProfile, draft_model_path: str | None
+) -> AcceptanceCalibration | None:
+    """The profile's acceptance calibration when it fits this drafter (else None, with a warning logged)."""
+    try:
+        drafter_hash = model_config_hash(draft_model_path) if draft_model_path else None
+    except ValueError:
+        drafter_hash = None  # a hub id not in the local cache: nothing to compare against
+    calibration, warnings = resolve_acceptance(resolved, drafter_hash)
+    for warning in warnings:
+        logger.warning("BASTION: %s", warning)
+    if calibration is not None:
+        logger.info("BASTION: planning with the acceptance calibration of %s", resolved.path)
+    return calibration
+
+
+def worker_step_controller(
+    config: BastionConfig,
+    server_args: ServerArgs,
+    target_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    width_buckets: Sequence[int] | None,
+    metrics: BastionMetrics | None,
+) -> StepController:
+    """The worker's step controller: the latency model and acceptance calibration of its profile, a step-cost
+    tracker seeded with the profile's costs (T_draft rescaled per request, `draft_seconds_per_request`), the
+    config's policy and budget, and a draft horizon (fixed-size policies keep every position: their trees stay
+    DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`."""
+    resolved = resolve_worker_profile(config, server_args, dtype, device)
+    latency, profile_costs = worker_latency_model(
+        config, server_args, target_config, dtype, device, width_buckets, resolved
+    )
+    costs = StepCostTracker(
+        prior=profile_costs,
+        prior_weight=1.0 / config.ema_alpha,
+        warmup_steps=COLD_STEPS,
+        prior_draft_per_request=0.0
+        if profile_costs is None
+        else draft_seconds_per_request(
+            profile_costs.t_draft, latency, min(block_size, config.verify_width_cap), DRAFT_SHAPE_CONTEXT
+        ),
+    )
+    depth = block_size - 1
+    return StepController(
+        latency=latency,
+        costs=costs,
+        policy=config.policy,
+        budget=config.max_budget,
+        horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
+        acceptance=worker_acceptance(resolved, server_args.speculative_draft_model_path),
+        device=device,
+        metrics=metrics,
+    )

@@ -1,0 +1,320 @@
+"""The decode step's decisions and observations, shared by the SGLang worker and the reference engine.
+
+A decode step asks the controller, in order (`docs/architecture.md`, "One decode step"):
+1. `begin`: the step's contexts, sampling modes and host time since the last decode step (`StepStart`);
+2. `draft_horizon`: whether the drafter runs (the gate, with the ceiling priced from the recent drafted
+   steps' evidence) and how many positions its LM head scores (the draft horizon; 0: skip the drafter);
+3. `plan`: the calibrated best-first trees and the batch plan (`plan_batch`) on the drafter's top-K, or
+   `plain` for a step without a draft;
+4. `record`: the plan's pending acceptance record, the speedup ledger's entry, the horizon's observation
+   and the plan's metrics;
+5. `end` (or `observe` with times the caller measured itself): the measured stage seconds feed the latency
+   model's online correction and the step-cost tracker; `verified` takes the realised accepted counts.
+
+No SGLang and no models here: the controller owns the gate, the draft horizon, the drafted steps' evidence,
+the acceptance and step-cost trackers, the pending plans and the metrics it writes, and prices everything
+with a `LatencyModel` it is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
+from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
+from bastion_sglang.controller.gate import (
+    DraftedStep,
+    DraftEvidence,
+    SpeculationGate,
+    horizon_gain,
+    speculation_ceiling,
+)
+from bastion_sglang.controller.horizon import DraftHorizon
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.policies import BatchPlan, BudgetPolicy, plain_plan, plan_batch
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.metrics import SpeedupLedger
+from bastion_sglang.timing import StageTimer, StageTimes, TimedStep
+
+if TYPE_CHECKING:
+    from bastion_sglang.metrics import BastionMetrics
+
+PENDING_STEPS = 4
+"""Decode steps whose accepted counts may be outstanding at once: one without overlap scheduling, two with
+it (SGLang processes a step's result after launching the next); more means a result never came back, and the
+oldest plans are dropped."""
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A decode step's plan, waiting for its accepted counts (`StepController.verified`)."""
+
+    index: int  # decode steps of this controller before it
+    expected_drafted: list[float]  # [B] the plan's calibrated expected accepted drafts per request
+    greedy: list[bool]  # [B] whether each request decodes greedily
+    scales: list[float]  # [B] acceptance corrections the plan used
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a decode step's measured times are matched with (one step late on CUDA)."""
+
+    index: int  # decode steps of this controller before it
+    widths: list[int]  # [B] verify width per request (the padded W_v)
+    contexts: list[int]  # [B] cached tokens per request
+    estimated_verify_seconds: float  # the plan's prediction for the verify pass
+    other_seconds: float | None  # host seconds since the previous decode step ended (None: none just before)
+    drafted: bool  # whether the drafter ran
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What one decode step's decisions read."""
+
+    index: int  # decode steps of this controller before it
+    contexts: list[int]  # [B] committed tokens per request (host)
+    greedy: list[bool]  # [B] whether each request decodes greedily
+    requests: frozenset[str]  # the batch's request ids
+    l_ar: float  # seconds of a plain decode step of this batch now (the latency model's prediction)
+    other_seconds: float | None  # host seconds since the previous decode step ended (None: none just before)
+    costs: Callable[[], StepCosts]  # the planner's step costs, priced once when first asked
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.contexts)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A drafted step's decision: the calibrated trees, the batch plan and the corrections it used."""
+
+    plan: BatchPlan
+    trees: DraftTreeBatch | None  # None: this rank does not plan (it takes the leader's rows)
+    top: DraftTopK  # [B, h, K] the drafter's candidates
+    scales: list[float]  # [B] acceptance corrections
+
+    @property
+    def mode(self) -> str:
+        """The step kind the metrics count: speculative, or declined (drafted, then verified no node)."""
+        return "speculative" if self.plan.speculates else "declined"
+
+
+class StepController:
+    """One engine's (or one reference request's) decode-step controller (module docstring).
+
+    latency: the verify-latency model the plans are priced with (observed here every step); costs: the
+    step-cost tracker (T_draft, T_aux; observed on drafted steps); fixed_costs: step costs used as they are
+    instead (L_AR included), e.g. a benchmark's; policy: the budget policy; budget: nodes of the best-first
+    tree built per request; horizon: the draft horizon (`DraftHorizon.full` where the drafter scores every
+    position); acceptance: the drafter's calibration (None: raw drafter probabilities); device: where the
+    stage timer records; metrics: the Prometheus sink (None: none).
+    """
+
+    def __init__(
+        self,
+        *,
+        latency: LatencyModel,
+        costs: StepCostTracker,
+        policy: BudgetPolicy,
+        budget: int,
+        horizon: DraftHorizon,
+        acceptance: AcceptanceCalibration | None,
+        device: torch.device,
+        metrics: BastionMetrics | None = None,
+        fixed_costs: StepCosts | None = None,
+    ) -> None:
+        self.latency = latency
+        self.costs = costs
+        self.policy = policy
+        self.budget = budget
+        self.horizon = horizon
+        self.acceptance = acceptance
+        self.metrics = metrics
+        self.fixed_costs = fixed_costs
+        self.gate = SpeculationGate()
+        self.evidence = DraftEvidence()  # what the recent drafted steps said of their text
+        self.acceptance_tracker = AcceptanceTracker()
+        self.timer: StageTimer[StepRecord] = StageTimer(device)
+        self._pending: deque[PendingStep] = deque(maxlen=PENDING_STEPS)  # oldest first
+        self._speedups = SpeedupLedger()
+        self._step_index = 0
+        self._last_end: float | None = None  # host clock at the end of the last decode step
+
+    def after_prefill(self) -> None:
+        """A prefill ran: the next decode step does not follow a decode step."""
+        self._last_end = None
+
+    def step_costs(self, contexts: Sequence[int]) -> StepCosts:
+        """Per-step costs for the planner: the fixed costs if given, else the tracker's measured stages (the
+        profile's costs until they warm up) and L_AR, the latency model's plain decode step of the whole batch
+        as of its last verify observation (`LatencyModel.predict_plain_batch_as_of_verify`: Ŝ compares it
+        with verify passes)."""
+        if self.fixed_costs is not None:
+            return self.fixed_costs
+        l_ar = self.latency.predict_plain_batch_as_of_verify(contexts)
+        return self.costs.costs(l_ar=l_ar, batch=len(contexts))
+
+    def begin(self, contexts: list[int], greedy: list[bool], requests: Sequence[str]) -> StepStart:
+        """Open a decode step over a batch: contexts [B] committed tokens, greedy [B], requests [B] ids."""
+        now = time.perf_counter()
+        return StepStart(
+            index=self._step_index,
+            contexts=contexts,
+            greedy=greedy,
+            requests=frozenset(requests),
+            l_ar=self.latency.predict_plain_batch(contexts),
+            other_seconds=None if self._last_end is None else now - self._last_end,
+            # priced once, and only when a ceiling or a plan needs them (most skipped steps do not)
+            costs=functools.cache(functools.partial(self.step_costs, contexts)),
+        )
+
+    def draft_horizon(self, step: StepStart, decides: bool) -> int:
+        """Positions the drafter's LM head scores this step; 0: skip the drafter. decides: whether this rank
+        runs the gate (the leader under TP; other ranks take its horizon). Policies that never decline
+        always draft."""
+        if self.policy.may_decline and decides:
+            curve = self.evidence.curve_for(step.requests)
+            contexts, costs = step.contexts, step.costs
+            ceiling = (
+                None if curve is None else lambda: speculation_ceiling(curve, contexts, self.latency, costs())
+            )
+            if not self.gate.should_draft(ceiling):
+                return 0
+        return self.horizon.horizon
+
+    def plan(self, step: StepStart, top: DraftTopK) -> StepPlan:
+        """The calibrated best-first trees of `top` ([B, h, K] log-probs and ids) and the batch plan; the
+        gate and the evidence record the plan's speculative speedup and accept curve."""
+        calibrated = top.logprobs if self.acceptance is None else self.acceptance.apply(top.logprobs)
+        trees = build_trees_auto_unchecked(calibrated, top.token_ids, self.budget)
+        scales = self.acceptance_tracker.corrections(step.greedy)
+        plan = plan_batch(
+            trees,
+            step.contexts,
+            self.latency,
+            step.costs(),
+            self.policy,
+            accept_scale=scales,
+            # a backoff probe verifies its tree whatever the estimate, so the acceptance correction sees
+            # fresh evidence and speculation can resume; a refresh probe only re-drafts
+            allow_plain=not self.gate.verifies_probe,
+        )
+        self.gate.record(plan.speculative_speedup)
+        gain = horizon_gain(trees, int(top.logprobs.shape[1]), self.horizon.depth, scales)
+        self.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
+        return StepPlan(plan, trees, top, scales)
+
+    def plain(self, step: StepStart, top: DraftTopK) -> StepPlan:
+        """A drafted step this rank does not plan (a follower under TP): plain decoding until the leader's
+        rows arrive."""
+        return StepPlan(plain_plan(step.batch_size, step.l_ar), None, top, [1.0] * step.batch_size)
+
+    def record(self, step: StepStart, planned: StepPlan | None, deepest: int | None = None) -> None:
+        """Keep what the step's result and times are matched with: its pending acceptance record, the
+        speedup ledger's entry, the plan's metrics. planned: None for a step that skipped the drafter;
+        deepest: the deepest node the verify rows hold (the horizon observes it; None: not the leader's)."""
+        bs = step.batch_size
+        if deepest is not None:
+            self.horizon.observe(deepest)
+        if planned is None:
+            self._pending.append(PendingStep(step.index, [0.0] * bs, step.greedy, [1.0] * bs))
+        else:
+            expected = list(planned.plan.expected_drafted)
+            self._pending.append(PendingStep(step.index, expected, step.greedy, planned.scales))
+        self._speedups.plan(step.index, step.l_ar, bs)
+        if self.metrics is None:
+            return
+        if planned is None:
+            ones = [1.0] * bs
+            self.metrics.observe_plan([0] * bs, ones, ones, 1.0, self.latency.calibrated, "skipped")
+            return
+        plan = planned.plan
+        raw = [1.0] * bs if planned.trees is None else self._raw_expected_accept(planned, plan.node_counts)
+        self.metrics.observe_plan(
+            plan.node_counts,
+            plan.expected_accept,
+            raw,
+            plan.estimated_speedup,
+            self.latency.calibrated,
+            planned.mode,
+        )
+
+    def _raw_expected_accept(self, planned: StepPlan, counts: Sequence[int]) -> list[float]:
+        """Raw Â per request of the planned trees: 1 + Σ of the drafter's uncalibrated path probabilities."""
+        trees, top = planned.trees, planned.top
+        if self.acceptance is None:
+            scores = trees.log_scores
+        else:
+            scores = node_log_scores(trees.tokens, trees.parents, trees.depths, top.logprobs, top.token_ids)
+        gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric
+        return [1.0 + (float(gains[i, n - 1]) if n > 0 else 0.0) for i, n in enumerate(counts)]
+
+    def end(self, record: StepRecord) -> None:
+        """Close the decode step `record` describes: the stage timer's times (this step's on the CPU, the
+        previous step's on CUDA) to the latency model, step costs and metrics."""
+        self._close(self.timer.finish_step(record))
+
+    def end_timed(self, record: StepRecord, times: StageTimes) -> None:
+        """`end` with the step's times measured by the caller's own timer."""
+        self._close(TimedStep(record, times))
+
+    def _close(self, finished: TimedStep[StepRecord] | None) -> None:
+        self.observe(finished)
+        if self.metrics is not None:
+            self.metrics.end_step()
+        self._step_index += 1
+        self._last_end = time.perf_counter()
+
+    def observe(self, finished: TimedStep[StepRecord] | None) -> None:
+        """Feed a finished step's measured seconds to the latency model's online correction, the step-cost
+        tracker and the metrics. finished: the step's record and its stage times, or None."""
+        if finished is None:
+            return
+        record, times = finished.record, finished.times
+        step_seconds = times.draft + times.verify + times.aux + (record.other_seconds or 0.0)
+        self._report_speedup(self._speedups.timed(record.index, step_seconds))
+        if self.metrics is not None:
+            self.metrics.observe_stages(times, record.other_seconds)
+        if times.verify > 0:
+            if max(record.widths) == 1:
+                self.latency.observe_plain_batch(record.contexts, times.verify)
+            else:
+                self.latency.observe_batch(record.widths, record.contexts, times.verify)
+            if self.metrics is not None:
+                self.metrics.observe_verify(
+                    record.estimated_verify_seconds, times.verify, self.latency.ema_factor
+                )
+        if record.drafted:
+            self.costs.observe(times.draft, times.aux, sum(record.widths), len(record.widths))
+
+    def verified(self, accepted_drafts: list[int]) -> None:
+        """A decode step's accepted draft counts [B] are known: the realised accept lengths.
+
+        Results come back in launch order, one per decode step (under overlap scheduling after the next step
+        was launched); each is matched with the oldest pending plan.
+        """
+        if self._pending:
+            pending = self._pending.popleft()
+            tracker = self.acceptance_tracker
+            tracker.observe(pending.expected_drafted, accepted_drafts, pending.greedy, pending.scales)
+            if self.metrics is not None:
+                self.metrics.observe_acceptance(
+                    tracker.calibration_error, tracker.correction(True), tracker.correction(False)
+                )
+            committed = sum(accepted_drafts) + len(accepted_drafts)
+            self._report_speedup(self._speedups.committed(pending.index, committed))
+        if self.metrics is not None:
+            self.metrics.observe_accepted(accepted_drafts)
+
+    def _report_speedup(self, speedup: float | None) -> None:
+        if speedup is not None and self.metrics is not None:
+            self.metrics.observe_realised_speedup(speedup)
