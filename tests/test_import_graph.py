@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +286,19 @@ def test_every_module_has_one_floor() -> None:
 
 def test_modules_import_only_their_floor_or_below() -> None:
     assert floor_violations(import_graph(), FLOORS) == []
+
+
+def test_importing_the_step_controller_loads_no_sglang() -> None:
+    """The step controller runs without SGLang (the reference engine shares it): importing it in a fresh
+    interpreter loads no SGLang module."""
+    code = (
+        "import sys\n"
+        "import bastion_sglang.step_controller\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'sglang'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_floors_without_sglang_do_not_import_it() -> None:
