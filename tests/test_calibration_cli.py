@@ -236,7 +236,6 @@ def test_python_dash_m_entry_point_has_the_calibrate_flags(capsys: pytest.Captur
 
 @pytest.mark.slow
 def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path: Path) -> None:
-    pytest.importorskip("sglang")
     target, drafter = pair
     out = tmp_path / "sglang.json"
     argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]

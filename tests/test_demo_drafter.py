@@ -22,16 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from calibration_profiles import serving_plan_flags
+from transformers import AutoTokenizer
 
-sglang = pytest.importorskip("sglang")
-
-from calibration_profiles import serving_plan_flags  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from bastion_sglang.config import BastionConfig  # noqa: E402
-from bastion_sglang.drafter_config import DrafterConfig  # noqa: E402
-from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts  # noqa: E402
-from bastion_sglang.registration import attach_config, make_config  # noqa: E402
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.registration import attach_config, make_config
 
 if TYPE_CHECKING:
     from demo_target import DemoTarget

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import yaml
 from deploy_metrics import (
     ALERTS,
@@ -40,8 +41,6 @@ from deploy_metrics import (
     healthcheck_command,
     metric_names,
 )
-
-requests = pytest.importorskip("requests")
 
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 STARTUP_SECONDS = 400
@@ -124,7 +123,6 @@ def test_alert_rules_pass_their_unit_tests() -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """(URL, port) of an SGLang server started with the Dockerfile's CMD and the CPU image's settings."""
-    pytest.importorskip("sglang")
     from tiny_models import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("deploy_server")

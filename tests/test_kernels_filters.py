@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.layers import sampler
+from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from bastion_sglang import kernels
 from bastion_sglang.kernels.sampling import TOP_CANDIDATES
-
-sampler = pytest.importorskip("sglang.srt.layers.sampler")
-from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
 
 ROWS, VOCAB = 64, 40
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.sampling import penaltylib
+from sglang_penalties import FakeReq, make_req, sglang_row
 
 from bastion_sglang import kernels
 from bastion_sglang.kernels import reference
 from bastion_sglang.kernels.penalties import OutputPenalties, Penalty, apply_tree_penalties
 from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties, sglang_penalty_order
-
-penaltylib = pytest.importorskip("sglang.srt.sampling.penaltylib")
-from sglang_penalties import FakeReq, make_req, sglang_row  # noqa: E402
 
 VOCAB = 12
 

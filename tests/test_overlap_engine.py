@@ -28,14 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from oracle_drafter import write_references
 
-sglang = pytest.importorskip("sglang")
-
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
-from oracle_drafter import write_references  # noqa: E402
-
-from bastion_sglang.config import BastionConfig  # noqa: E402
-from bastion_sglang.registration import make_config  # noqa: E402
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.registration import make_config
 
 pytestmark = pytest.mark.slow
 

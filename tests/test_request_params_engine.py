@@ -31,14 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
-sglang = pytest.importorskip("sglang")
-
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
-from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor  # noqa: E402
-
-from bastion_sglang.registration import make_config  # noqa: E402
-from bastion_sglang.request_support import REFUSAL_PREFIX  # noqa: E402
+from bastion_sglang.registration import make_config
+from bastion_sglang.request_support import REFUSAL_PREFIX
 
 pytestmark = pytest.mark.slow
 

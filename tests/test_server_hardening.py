@@ -46,12 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang")
-requests = pytest.importorskip("requests")
-
-from engine_support import make_model_pair  # noqa: E402
-from sglang_server import CPU_FLAGS, RunningServer, hf_greedy, launch_server, metric_total  # noqa: E402
+import requests
+from engine_support import make_model_pair
+from sglang_server import CPU_FLAGS, RunningServer, hf_greedy, launch_server, metric_total
 
 pytestmark = pytest.mark.slow
 

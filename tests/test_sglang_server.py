@@ -14,12 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang")
-requests = pytest.importorskip("requests")
-
-from sglang_server import CPU_FLAGS, generate_greedy, hf_greedy, launch_server, metric_values  # noqa: E402
-from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
+import requests
+from sglang_server import CPU_FLAGS, generate_greedy, hf_greedy, launch_server, metric_values
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 pytestmark = pytest.mark.slow
 

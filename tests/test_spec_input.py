@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("sglang")
-
 from bastion_sglang.spec_input import BastionDraftInput
 
 RESERVE = 34

@@ -26,16 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sglang
 import torch
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from oracle_drafter import load_records, write_references
 
-sglang = pytest.importorskip("sglang")
-
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair  # noqa: E402
-from oracle_drafter import load_records, write_references  # noqa: E402
-
-from bastion_sglang.config import BastionConfig  # noqa: E402
-from bastion_sglang.metrics import FLUSH_STEPS  # noqa: E402
-from bastion_sglang.registration import make_config  # noqa: E402
+from bastion_sglang.config import BastionConfig
+from bastion_sglang.metrics import FLUSH_STEPS
+from bastion_sglang.registration import make_config
 
 pytestmark = pytest.mark.slow
 

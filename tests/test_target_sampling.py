@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
-sglang = pytest.importorskip("sglang")
-
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
-from sglang.srt.sampling.sampling_params import TOP_K_ALL  # noqa: E402
-
-from bastion_sglang.sglang_adapter import target_sampling_probs  # noqa: E402
+from bastion_sglang.sglang_adapter import target_sampling_probs
 
 BATCH, WIDTH, VOCAB = 2, 3, 50
 

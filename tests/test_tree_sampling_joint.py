@@ -540,7 +540,6 @@ def test_exact_joint_with_penalties_and_filters_equals_plain_decoding(kind: str,
     """With every output penalty and min-p + top-k + top-p at T = 0.8, the kernel's exact law of the first
     three tokens (enumerated uniforms, steps chained) equals plain decoding's product of conditionals, each
     computed by SGLang's penalizers over the whole output so far; the penalties and filters do change it."""
-    pytest.importorskip("sglang")
     enumerated = functools.cache(lambda context: kernel_step_law(penalised_step_tree(kind, context, rule)))
     law = first_tokens_law(enumerated, (), OUTPUT_TOKENS)
     assert abs(sum(law.values()) - 1.0) < EXACT_TOLERANCE

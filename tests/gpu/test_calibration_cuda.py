@@ -57,8 +57,6 @@ def test_measured_peaks_are_near_the_datasheet(device: torch.device) -> None:
 def test_calibrate_on_cuda_writes_a_profile_auto_finds(
     pair: tuple[Path, Path], tmp_path: Path, device: torch.device, engine: str, backend: str
 ) -> None:
-    if engine == "sglang":
-        pytest.importorskip("sglang")
     target, drafter = pair
     store = ProfileStore(tmp_path / "store")
     argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]

@@ -3,7 +3,7 @@
 Backends triton and flashinfer with CUDA graphs on: BASTION captures a target-verify graph per width bucket
 (`bastion_sglang.graphs`) and pads each step's width up to the next bucket; fixed:N_max verifies at the
 largest bucket, adaptive at varying buckets, and fixed:N with N + 1 between buckets through padding. Skipped
-where SGLang or CUDA is absent.
+where CUDA is absent.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("sglang")
-torch = pytest.importorskip("torch")
-requests = pytest.importorskip("requests")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from sglang_server import generate_greedy, launch_server  # noqa: E402
-from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
+from sglang_server import generate_greedy, launch_server
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 PROMPTS = [list(text.encode()) for text in ("hello world", "the quick brown fox", "abc", "once upon a time")]
 MAX_NEW_TOKENS = 48
