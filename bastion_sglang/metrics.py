@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bastion_sglang.timing import STAGES, StageTimes
@@ -83,50 +82,6 @@ def _deferred(write: Callable[..., None]) -> Callable[..., None]:
         self._held.append(functools.partial(write, self, *args, **kwargs))
 
     return observe
-
-
-@dataclass
-class _StepEntry:
-    l_ar: float
-    batch: int
-    seconds: float | None = None
-    tokens: int | None = None
-
-
-class SpeedupLedger:
-    """Joins what the realised speedup of a decode step needs, which arrives in any order: the plan (L_AR, the
-    plain-decoding seconds of the batch, and B), the measured step seconds (one step late on CUDA) and the
-    tokens committed (once SGLang has them on the host). Realised speedup = tokens · L_AR / (B · seconds),
-    returned by whichever call completes the step; entries older than `keep` steps are dropped."""
-
-    def __init__(self, keep: int = 4) -> None:
-        self._entries: dict[int, _StepEntry] = {}
-        self._keep = keep
-
-    def plan(self, step: int, l_ar: float, batch: int) -> None:
-        self._entries[step] = _StepEntry(l_ar, batch)
-        for old in [key for key in self._entries if key <= step - self._keep]:
-            del self._entries[old]
-
-    def timed(self, step: int, seconds: float) -> float | None:
-        entry = self._entries.get(step)
-        if entry is None:
-            return None
-        entry.seconds = seconds
-        return self._complete(step, entry)
-
-    def committed(self, step: int, tokens: int) -> float | None:
-        entry = self._entries.get(step)
-        if entry is None:
-            return None
-        entry.tokens = tokens
-        return self._complete(step, entry)
-
-    def _complete(self, step: int, entry: _StepEntry) -> float | None:
-        if entry.seconds is None or entry.tokens is None or entry.seconds <= 0:
-            return None
-        del self._entries[step]
-        return entry.tokens * entry.l_ar / (entry.batch * entry.seconds)
 
 
 def scheduler_metric_labels() -> dict[str, str]:

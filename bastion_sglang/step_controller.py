@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -42,16 +42,87 @@ from bastion_sglang.controller.policies import BatchPlan, BudgetPolicy, plain_pl
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.kernels.types import DraftTopK
-from bastion_sglang.metrics import SpeedupLedger
 from bastion_sglang.timing import StageTimer, StageTimes, TimedStep
 
-if TYPE_CHECKING:
-    from bastion_sglang.metrics import BastionMetrics
+
+class StepMetrics(Protocol):
+    """Where the controller writes what it decided and observed (`metrics.BastionMetrics` on a server)."""
+
+    def observe_plan(
+        self,
+        node_counts: Sequence[int],
+        expected_accept: Sequence[float],
+        expected_accept_raw: Sequence[float],
+        estimated_speedup: float,
+        calibrated: bool,
+        mode: str = "speculative",
+    ) -> None: ...
+
+    def observe_verify(
+        self, estimated_seconds: float, observed_seconds: float, ema_factor: float
+    ) -> None: ...
+
+    def observe_stages(self, times: StageTimes, other_seconds: float | None) -> None: ...
+
+    def observe_realised_speedup(self, speedup: float) -> None: ...
+
+    def observe_acceptance(
+        self, calibration_error: float, greedy_correction: float, sampled_correction: float
+    ) -> None: ...
+
+    def observe_accepted(self, accepted_drafts: Sequence[int]) -> None: ...
+
+    def end_step(self) -> None: ...
+
 
 PENDING_STEPS = 4
 """Decode steps whose accepted counts may be outstanding at once: one without overlap scheduling, two with
 it (SGLang processes a step's result after launching the next); more means a result never came back, and the
 oldest plans are dropped."""
+
+
+@dataclass
+class _StepEntry:
+    l_ar: float
+    batch: int
+    seconds: float | None = None
+    tokens: int | None = None
+
+
+class SpeedupLedger:
+    """Joins what the realised speedup of a decode step needs, which arrives in any order: the plan (L_AR, the
+    plain-decoding seconds of the batch, and B), the measured step seconds (one step late on CUDA) and the
+    tokens committed (once SGLang has them on the host). Realised speedup = tokens · L_AR / (B · seconds),
+    returned by whichever call completes the step; entries older than `keep` steps are dropped."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._entries: dict[int, _StepEntry] = {}
+        self._keep = keep
+
+    def plan(self, step: int, l_ar: float, batch: int) -> None:
+        self._entries[step] = _StepEntry(l_ar, batch)
+        for old in [key for key in self._entries if key <= step - self._keep]:
+            del self._entries[old]
+
+    def timed(self, step: int, seconds: float) -> float | None:
+        entry = self._entries.get(step)
+        if entry is None:
+            return None
+        entry.seconds = seconds
+        return self._complete(step, entry)
+
+    def committed(self, step: int, tokens: int) -> float | None:
+        entry = self._entries.get(step)
+        if entry is None:
+            return None
+        entry.tokens = tokens
+        return self._complete(step, entry)
+
+    def _complete(self, step: int, entry: _StepEntry) -> float | None:
+        if entry.seconds is None or entry.tokens is None or entry.seconds <= 0:
+            return None
+        del self._entries[step]
+        return entry.tokens * entry.l_ar / (entry.batch * entry.seconds)
 
 
 @dataclass(frozen=True)
@@ -129,7 +200,7 @@ class StepController:
         horizon: DraftHorizon,
         acceptance: AcceptanceCalibration | None,
         device: torch.device,
-        metrics: BastionMetrics | None = None,
+        metrics: StepMetrics | None = None,
         fixed_costs: StepCosts | None = None,
     ) -> None:
         self.latency = latency
