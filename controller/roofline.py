@@ -431,18 +431,6 @@ class RooflineModel:
             self.attention_flops(s, c) / self.hw.peak_flops, self.request_bytes(s, c) / self.hw.bandwidth
         )
 
-    def attention_compute_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
-        """s: [M] int64 widths, c: cached tokens -> [M] float64 attention FLOPs / peak on s's device."""
-        _check_token_tensor(s)
-        _, c = _check_tokens(1, c)
-        return self._attention_flops(s.to(torch.float64), float(c)) / self.hw.peak_flops
-
-    def kv_seconds_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
-        """s: [M] int64 widths, c: cached tokens -> [M] float64 KV-cache bytes / bandwidth on s's device."""
-        _check_token_tensor(s)
-        _, c = _check_tokens(1, c)
-        return self.bytes_per_element * self._kv_elements(s.to(torch.float64), float(c)) / self.hw.bandwidth
-
     def gemm_seconds_many(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [M] int64 tokens per pass -> [M] float64 `gemm_seconds` on tokens' device."""
         _check_token_tensor(tokens)

@@ -1,7 +1,7 @@
 """The reference engine: BASTION decoding (batch 1) on a Transformers target, shared planner and kernels.
 
-One speculative step (DESIGN.md, "One decode step"), with ctx = tokens in the target's cache and the bonus
-token at position ctx:
+One speculative step (`docs/architecture.md`, "One decode step"), with ctx = tokens in the target's cache
+and the bonus token at position ctx:
 
 1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
 2. plan: `build_trees_auto` (best-first, up to the budget), `plan_batch` (the worker's batch planner, at
