@@ -18,5 +18,8 @@ python -m pip install --quiet -e ".[reference,plot,test]"
 # line loads scripts/torchvision_cpu.py by its path at every interpreter start (not part of the package).
 site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 python scripts/torchvision_cpu.py > "$site/bastion_sglang_cpu.pth"
+# SGLang's rotary layer imports vllm._custom_ops on a plain CPU device; the plugin provides it only where BASTION
+# serves, so SGLang without speculation (the tests' reference) gets a placeholder from this .pth line.
+python scripts/vllm_cpu.py > "$site/bastion_sglang_vllm_cpu.pth"
 python -m pip check >/dev/null || python -m pip check | grep -v -E "^sglang " || true
 echo "ready: $(python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)')"

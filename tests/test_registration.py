@@ -412,7 +412,6 @@ def test_other_algorithms_keep_sglangs_backend_choice(models: dict[str, Path]) -
 # ---- CPU placeholders: only where BASTION serves on the CPU ------------------------------------------
 
 PLACEHOLDER_PROBE = """
-import importlib.util
 import json
 import sys
 from types import SimpleNamespace
@@ -420,21 +419,24 @@ from types import SimpleNamespace
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
+from bastion_sglang import cpu_support
 from bastion_sglang.registration import _scheduler_init_hook
 
-states = {"vllm importable": importlib.util.find_spec("vllm") is not None}
+calls = []
+cpu_support.install_import_placeholders = lambda: calls.append(1)
 load_plugins()
-states["registered"] = "vllm" in sys.modules
+states = {"registered": len(calls)}
 _scheduler_init_hook(None, SimpleNamespace(device="cpu", speculative_algorithm="EAGLE"))
-states["EAGLE scheduler"] = "vllm" in sys.modules
+states["EAGLE scheduler"] = len(calls)
 for name, argv in json.loads(sys.argv[1]):
     prepare_server_args(argv).resolve_once()
-    states[name] = "vllm" in sys.modules
+    states[name] = len(calls)
 print(json.dumps(states))
 """
-"""Loads the plugin, then resolves argument sets in turn, reporting after each whether the `vllm`
-placeholder is installed (once installed it stays: the BASTION-on-CPU set comes last). Run in a fresh
-interpreter: this one may hold the placeholder from an earlier test."""
+"""Loads the plugin, then resolves argument sets in turn, reporting after each how often the plugin has
+installed its import placeholders (`cpu_support.install_import_placeholders`, recorded instead of run, so
+an environment that provides the modules itself does not hide the calls). A fresh interpreter: this one
+has loaded the plugin already."""
 
 
 def test_placeholders_install_only_where_bastion_serves_on_cpu() -> None:
@@ -454,11 +456,25 @@ def test_placeholders_install_only_where_bastion_serves_on_cpu() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     states = json.loads(result.stdout.strip().splitlines()[-1])
     assert states == {
-        "vllm importable": False,  # else no placeholder would be installed anywhere: nothing to observe
-        "registered": False,
-        "EAGLE scheduler": False,
-        "plain CPU": False,
-        "EAGLE on CPU": False,
-        "BASTION on CUDA": False,
-        "BASTION on CPU": True,
+        "registered": 0,
+        "EAGLE scheduler": 0,
+        "plain CPU": 0,
+        "EAGLE on CPU": 0,
+        "BASTION on CUDA": 0,
+        "BASTION on CPU": 1,
     }
+
+
+def test_vllm_placeholder_is_installed_only_when_vllm_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The placeholder's functions raise; a vllm that imports (real, or the CPU environment's) is kept."""
+    from bastion_sglang import cpu_support
+
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm._custom_ops", raising=False)
+    monkeypatch.setattr(cpu_support.importlib.util, "find_spec", lambda name: None)
+    cpu_support.install_vllm_placeholder()
+    with pytest.raises(NotImplementedError, match="placeholder"):
+        sys.modules["vllm._custom_ops"].rotary_embedding()
+    present = sys.modules["vllm"]
+    cpu_support.install_vllm_placeholder()
+    assert sys.modules["vllm"] is present
