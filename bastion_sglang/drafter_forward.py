@@ -43,7 +43,7 @@ class DrafterForward:
     ) -> None:
         self._worker = worker
         device = torch.device(worker.device)
-        worker.draft_model.set_block_size(block_size)
+        sgl.set_draft_block_size(worker, block_size)
         self._block_spec_info = sgl.install_draft_block_spec_info(worker, block_size)
         self._block_offsets = torch.arange(block_size, dtype=torch.int64, device=device)
         self._block_ids = torch.full(

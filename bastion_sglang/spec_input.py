@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bastion_sglang import sglang_adapter as sgl
 from bastion_sglang.sglang_adapter import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -96,7 +97,7 @@ class BastionDraftInput(SpecInput):
         bs = batch.batch_size()
         if bs == 0:
             return
-        batch.maybe_evict_swa()
+        sgl.maybe_evict_swa(batch)
         page_size = batch.token_to_kv_pool_allocator.page_size
         cur_lens, nxt_lens, needed = page_aligned_decode_alloc_lens(
             batch.reqs, reserve=self.reserve, page_size=page_size
@@ -115,9 +116,8 @@ class BastionDraftInput(SpecInput):
             num_needed_tokens=needed,
             batch=batch,
         )
-        committed = [int(req.kv.kv_committed_len) for req in batch.reqs]
-        for req in batch.reqs:
-            req.decode_batch_idx += 1
+        committed = [sgl.committed_kv_len(req) for req in batch.reqs]
+        sgl.count_decode_step(batch.reqs)
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
         batch.seq_lens_sum = sum(committed)
 
@@ -342,7 +342,7 @@ def prepare_draft_forward(
     rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
     cache_loc = target_runner.req_to_token_pool.req_to_token[rows_index, positions].to(torch.int64)
     seq_lens_cpu = batch.seq_lens_cpu + block  # host bound on what the block attends to
-    plan = target_runner.kv_index_translator.plan(
+    plan = sgl.kv_index_translator(target_runner).plan(
         req_pool_indices=batch.req_pool_indices,
         seq_lens=prefix,
         seq_lens_cpu=batch.seq_lens_cpu,
@@ -371,5 +371,5 @@ def prepare_draft_forward(
         global_num_token_non_padded_cpu=bs * block,
         can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
     )
-    plan.bind(forward_batch, draft_runner.kv_index_translator)
+    plan.bind(forward_batch, sgl.kv_index_translator(draft_runner))
     return forward_batch

@@ -117,9 +117,7 @@ class TargetForward:
                 tree_pass.slots,
                 prefix_cpu,
             )
-            result = worker.target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True
-            )
+            result = sgl.target_forward(worker.target_worker, forward_batch)
         if result.can_run_cuda_graph:
             self._graphs.note_replay(rows.width, len(prefix_cpu))
         logits_output = result.logits_output
@@ -134,6 +132,4 @@ class TargetForward:
         with plain_decode_forward(
             inputs.batch, target_worker.model_runner, inputs.roots, slots, inputs.prefix, inputs.prefix_cpu
         ) as forward_batch:
-            return target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True
-            )
+            return sgl.target_forward(target_worker, forward_batch)
