@@ -24,6 +24,12 @@ ALGORITHM = "BASTION"
 """The `--speculative-algorithm` name."""
 CONFIG_ATTR = "_bastion_config"
 """Bookkeeping attribute of a ServerArgs record holding its BastionConfig (pickled along with the record)."""
+CPU_ATTENTION_BACKEND = "torch_native"
+"""The only attention backend BASTION runs on CPU (its TARGET_VERIFY tree branch comes from `cpu_support`)."""
+CHOSEN_BACKENDS = {"cuda": "triton", "cpu": CPU_ATTENTION_BACKEND}
+"""The attention backend BASTION, its benchmarks and its calibration use, per device kind, when none is given:
+on CUDA triton (it reads the tree mask and ships with SGLang; flashinfer needs its own package), on CPU
+torch_native."""
 DEFAULT_MAX_BUDGET = 64
 DEFAULT_TOPK = 8
 DEFAULT_EMA_ALPHA = 0.1

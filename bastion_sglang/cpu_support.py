@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang.config import ALGORITHM
+from bastion_sglang.config import ALGORITHM, CPU_ATTENTION_BACKEND
 from bastion_sglang.kernels import tree_attention
 
 if TYPE_CHECKING:
@@ -56,8 +56,6 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-CPU_BACKEND = "torch_native"
 
 
 def is_cpu_torch_build() -> bool:
@@ -148,8 +146,8 @@ def install_bastion_stand_ins() -> None:
     install_import_placeholders()
     from bastion_sglang import sglang_adapter as sgl
 
-    if CPU_BACKEND not in sgl.DRAFT_ATTENTION_BACKEND_CHOICES:
-        sgl.add_draft_attention_backend_choices([CPU_BACKEND])
+    if CPU_ATTENTION_BACKEND not in sgl.DRAFT_ATTENTION_BACKEND_CHOICES:
+        sgl.add_draft_attention_backend_choices([CPU_ATTENTION_BACKEND])
     hooks: tuple[tuple[sgl.Internal, Callable[..., Any], sgl.HookType], ...] = (
         (sgl.TORCH_NATIVE_FORWARD_EXTEND, forward_extend_with_verify, sgl.HookType.AROUND),
         (sgl.ASSIGN_REQ_TO_TOKEN_POOL, assign_req_to_token_pool_torch, sgl.HookType.REPLACE),

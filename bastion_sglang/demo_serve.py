@@ -25,10 +25,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bastion_sglang.config import CPU_ATTENTION_BACKEND
+
 DEMO_DRAFTER = Path("models") / "smollm2-135m-instruct-dflash"
 """The committed drafter, relative to the repository root."""
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", CPU_ATTENTION_BACKEND, "--disable-cuda-graph")
 """Flags that run SGLang on the host: no CUDA graphs, the torch attention backend BASTION extends."""
 
 

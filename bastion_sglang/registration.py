@@ -37,6 +37,8 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from bastion_sglang.config import (
     ALGORITHM,
+    CHOSEN_BACKENDS,
+    CPU_ATTENTION_BACKEND,
     DEFAULT_EMA_ALPHA,
     DEFAULT_MAX_BUDGET,
     DEFAULT_TOPK,
@@ -63,11 +65,6 @@ every captured batch size; beyond 1024 nodes the expected accepted length of a 1
 
 CUDA_TREE_MASK_BACKENDS = ("triton", "flashinfer")
 """Attention backends whose TARGET_VERIFY path reads an arbitrary per-request custom mask on CUDA."""
-CPU_BACKEND = "torch_native"
-"""The only backend BASTION runs on CPU (its TARGET_VERIFY tree branch comes from `cpu_support`)."""
-CHOSEN_BACKENDS = {"cuda": "triton", "cpu": CPU_BACKEND}
-"""The backend BASTION uses, per device kind, when `--attention-backend` is not given: on CUDA triton (it
-reads the tree mask and ships with SGLang; flashinfer needs its own package), on CPU torch_native."""
 ATTENTION_BACKEND_FLAGS = (
     ("attention_backend", "--attention-backend"),
     ("prefill_attention_backend", "--prefill-attention-backend"),
@@ -270,7 +267,7 @@ def supported_attention_backends(device: str) -> tuple[str, ...]:
     if kind == "cuda":
         return CUDA_TREE_MASK_BACKENDS
     if kind == "cpu":
-        return (CPU_BACKEND,)
+        return (CPU_ATTENTION_BACKEND,)
     return ()
 
 

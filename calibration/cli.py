@@ -58,6 +58,7 @@ from bastion_sglang.calibration.sweep import (
     measure_verify_grid,
     width_grid,
 )
+from bastion_sglang.config import CHOSEN_BACKENDS
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, ProfileMetadata, save_profile
 from bastion_sglang.controller.roofline import ModelShape, RooflineModel
@@ -71,9 +72,6 @@ DEFAULT_MAX_WIDTH = 1025
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_REPEATS = 10
 DEFAULT_WARMUP = 3
-SGLANG_CUDA_BACKEND = "triton"
-"""Default SGLang attention backend on CUDA: it reads BASTION's per-request custom tree mask."""
-SGLANG_CPU_BACKEND = "torch_native"
 EPILOG = """defaults (each logged when taken):
 - --device: cuda when torch sees a GPU, else cpu.
 - --engine: sglang on CUDA when SGLang is installed, else reference. SGLang on the CPU is measured only
@@ -187,10 +185,8 @@ def choose_attention_backend(requested: str | None, engine: Engine, device: torc
                 f"{' or '.join(REFERENCE_BACKENDS)} (or --engine sglang)"
             )
         return requested
-    if engine == "reference":
-        backend = "sdpa"
-    else:
-        backend = SGLANG_CUDA_BACKEND if device.type == "cuda" else SGLANG_CPU_BACKEND
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    backend = "sdpa" if engine == "reference" else CHOSEN_BACKENDS[kind]
     logger.info("attention backend: %s (the %s default on %s)", backend, engine, device.type)
     return backend
 

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bastion_sglang.config import default_width_buckets
+from bastion_sglang.config import CHOSEN_BACKENDS, default_width_buckets
 from bastion_sglang.controller.policies import parse_policy
 from bastion_sglang.prompt_sets import (
     PROMPT_SETS,
@@ -219,7 +219,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             args.prompts,
             len(prompts),
         )
-    attention = args.attention_backend or ("torch_native" if device == "cpu" else "triton")
+    attention = args.attention_backend or CHOSEN_BACKENDS["cpu" if device == "cpu" else "cuda"]
     settings = BenchSettings(
         model_path=model_path,
         draft_model_path=draft_path,
