@@ -176,6 +176,7 @@ def worker_step_controller(
         budget=config.max_budget,
         horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
         acceptance=worker_acceptance(resolved, server_args.speculative_draft_model_path),
+        branching=config.branching,
         device=device,
         metrics=metrics,
     )

@@ -27,11 +27,17 @@ from typing import Protocol
 
 import torch
 
-from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceTracker, node_log_scores
+from bastion_sglang.controller.acceptance import (
+    AcceptanceCalibration,
+    AcceptanceTracker,
+    best_accept_curve,
+    node_log_scores,
+)
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
 from bastion_sglang.controller.gate import (
     DraftedStep,
     DraftEvidence,
+    SpeculationCeiling,
     SpeculationGate,
     horizon_gain,
     speculation_ceiling,
@@ -74,6 +80,10 @@ class StepMetrics(Protocol):
 
     def end_step(self) -> None: ...
 
+
+BOUND_REPRICE_STEPS = 256
+"""Decode steps a batch size's start-up bound (`StepController.pay_bound`) is reused before it is priced again
+at the step costs and online corrections of the day."""
 
 PENDING_STEPS = 4
 """Decode steps whose accepted counts may be outstanding at once: one without overlap scheduling, two with
@@ -186,8 +196,16 @@ class StepController:
     step-cost tracker (T_draft, T_aux; observed on drafted steps); fixed_costs: step costs used as they are
     instead (L_AR included), e.g. a benchmark's; policy: the budget policy; budget: nodes of the best-first
     tree built per request; horizon: the draft horizon (`DraftHorizon.full` where the drafter scores every
-    position); acceptance: the drafter's calibration (None: raw drafter probabilities); device: where the
-    stage timer records; metrics: the Prometheus sink (None: none).
+    position); acceptance: the drafter's calibration (None: raw drafter probabilities); branching: K, the
+    drafter's candidates per position; device: where the stage timer records; metrics: the Prometheus sink
+    (None: none).
+
+    Where speculation can pay at all. With a calibration, `best_accept_curve` bounds the Â of any tree the
+    drafter could propose; priced for a batch (`speculation_ceiling` at its contexts and step costs, the
+    drafted part scaled by the online correction, which lifts the bound when the drafter proves better than
+    calibrated), it bounds every plan's speedup. A batch size whose bound is at most 1 never drafts but for
+    the gate's rare refresh probes (`SpeculationGate.should_draft`). Without a calibration there is no bound
+    and the gate probes as it does for any batch.
     """
 
     def __init__(
@@ -199,6 +217,7 @@ class StepController:
         budget: int,
         horizon: DraftHorizon,
         acceptance: AcceptanceCalibration | None,
+        branching: int,
         device: torch.device,
         metrics: StepMetrics | None = None,
         fixed_costs: StepCosts | None = None,
@@ -212,6 +231,11 @@ class StepController:
         self.metrics = metrics
         self.fixed_costs = fixed_costs
         self.gate = SpeculationGate()
+        depth = horizon.depth
+        self._accept_bound = (
+            None if acceptance is None else best_accept_curve(acceptance, depth, branching, budget)
+        )
+        self._bounds: dict[tuple[int, int], tuple[int, SpeculationCeiling]] = {}  # (B, context bucket)
         self.evidence = DraftEvidence()  # what the recent drafted steps said of their text
         self.acceptance_tracker = AcceptanceTracker()
         self.timer: StageTimer[StepRecord] = StageTimer(device)
@@ -258,9 +282,24 @@ class StepController:
             ceiling = (
                 None if curve is None else lambda: speculation_ceiling(curve, contexts, self.latency, costs())
             )
-            if not self.gate.should_draft(ceiling):
+            if not self.gate.should_draft(ceiling, self.pay_bound(step)):
                 return 0
         return self.horizon.horizon
+
+    def pay_bound(self, step: StepStart) -> SpeculationCeiling | None:
+        """The best speedup any tree could give this batch (class docstring), priced once per batch size and
+        context bucket (a power of two) every BOUND_REPRICE_STEPS steps; None without a calibration."""
+        if self._accept_bound is None:
+            return None
+        key = (step.batch_size, max(step.contexts).bit_length())
+        cached = self._bounds.get(key)
+        if cached is not None and step.index - cached[0] < BOUND_REPRICE_STEPS:
+            return cached[1]
+        scale = max(self.acceptance_tracker.corrections(step.greedy))
+        curve = 1.0 + scale * (self._accept_bound - 1.0)
+        bound = speculation_ceiling(curve, step.contexts, self.latency, step.costs())
+        self._bounds[key] = (step.index, bound)
+        return bound
 
     def plan(self, step: StepStart, top: DraftTopK) -> StepPlan:
         """The calibrated best-first trees of `top` ([B, h, K] log-probs and ids) and the batch plan; the

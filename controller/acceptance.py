@@ -34,6 +34,7 @@ best, so the tree stays exact.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -375,3 +376,46 @@ def node_log_scores(
     for depth in range(2, int(logprobs.shape[1]) + 1):
         scores = torch.where(depths == depth, own + scores.gather(1, parent_index), scores)
     return scores
+
+
+def best_accept_curve(
+    calibration: AcceptanceCalibration, depth: int, branching: int, nodes: int
+) -> np.ndarray:
+    """[nodes + 1] an upper bound of the calibrated Â(n), n = 0..nodes, of ANY tree of n nodes this drafter's
+    top-K rows could give: what `build_tree` on calibrated log-probabilities can reach at best, whatever the
+    drafter proposes (before the online correction c, which scales Â - 1).
+
+    Per depth d the calibrated factor of a candidate of drafter probability q is
+    g_d(q) = min(1, e^{b_d} q^{a_d}) (module docstring), so one node's factor is at most
+    p_d = min(1, e^{b_d}); and the K candidates of one row, whose probabilities sum to at most 1, hold
+    together at most m_d = min(K p_d, e^{b_d} K^{max(0, 1-a_d)}) (Σ q^a <= 1 for a >= 1; <= K^{1-a} for
+    a < 1). The nodes at depth d of a tree then hold at most M_d = Π_{k<=d} m_k of calibrated path
+    probability, each at most P_d = Π_{k<=d} p_k, and there are at most K^d of them. The bound relaxes the
+    tree's shape to these per-depth caps: its n best node values, where depth d offers nodes of value P_d
+    until its mass M_d is spent (the last one the remainder), taken best first across depths. depth: D,
+    positions drafted; branching: K.
+    """
+    if depth < 1 or branching < 1 or nodes < 0:
+        raise ValueError(f"need depth >= 1, branching >= 1, nodes >= 0, got {depth}, {branching}, {nodes}")
+    slopes, offsets = calibration.depth_parameters(depth)
+    values: list[float] = []
+    level_cap, level_mass, level_count = 1.0, 1.0, 1
+    for a, b in zip(slopes, offsets, strict=True):
+        scale = math.exp(b)
+        single = min(1.0, scale)
+        level_cap *= single
+        level_mass *= min(branching * single, scale * branching ** max(0.0, 1.0 - a))
+        level_count = min(level_count * branching, nodes)
+        if level_cap <= 0.0:
+            break
+        full = min(level_count, int(level_mass / level_cap))
+        values.extend([level_cap] * full)
+        if full < level_count and level_mass > full * level_cap:
+            values.append(level_mass - full * level_cap)
+    values.sort(reverse=True)
+    gains = np.zeros(nodes + 1, dtype=np.float64)
+    taken = np.cumsum(values[:nodes], dtype=np.float64)
+    gains[1 : 1 + taken.shape[0]] = taken
+    if taken.shape[0] < nodes:
+        gains[1 + taken.shape[0] :] = taken[-1] if taken.shape[0] else 0.0
+    return 1.0 + gains

@@ -97,13 +97,28 @@ class SpeculationGate:
             raise ValueError(f"need 0 < probe_share <= 1, got {self.probe_share}")
         self._refresh_after = self.max_backoff
 
-    def should_draft(self, ceiling: Callable[[], SpeculationCeiling] | None = None) -> bool:
+    def should_draft(
+        self,
+        ceiling: Callable[[], SpeculationCeiling] | None = None,
+        bound: SpeculationCeiling | None = None,
+    ) -> bool:
         """Called once at the start of every decode step: True to draft (speculate or probe), else skip.
         ceiling: returns the best speculative plan this step could get (module docstring), called only when
         the backing-off gate would probe; None: none known. A ceiling that vetoes the probe doubles the
         backoff as a failed probe does, so it is asked ever more rarely, not at every step: it prices the
-        batch's whole curve."""
+        batch's whole curve. bound: the best plan ANY tree could give this batch (`StepController`'s
+        start-up bound from the acceptance calibration); at most 1, the step skips the drafter whatever the
+        backoff, probes included, and only a refresh probe runs once `refresh_interval` steps went by
+        without drafting (the online correction may have lifted the bound by then)."""
         self._steps += 1
+        if bound is not None and bound.speedup <= 1.0:
+            if self._since_draft >= self.refresh_interval(bound):
+                self._refreshing = True
+                self._since_draft = 0
+                return True
+            self._skipped += 1
+            self._since_draft += 1
+            return False
         if self._skip_remaining > 0:
             self._skip_remaining -= 1
         else:

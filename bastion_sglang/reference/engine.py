@@ -243,9 +243,9 @@ class ReferenceEngine:
         """W_v: the width a verify pass of `nodes` draft nodes (and the root) runs at: its width bucket."""
         return self.latency.padded_width(nodes + 1)
 
-    def _controller(self, policy: BudgetPolicy, budget: int) -> StepController:
-        """A request's step controller: the engine's latency model and step costs, `policy` at `budget` nodes,
-        the drafter scoring every position."""
+    def _controller(self, policy: BudgetPolicy, budget: int, topk: int) -> StepController:
+        """A request's step controller: the engine's latency model and step costs, `policy` at `budget` nodes
+        over `topk` candidates per position, the drafter scoring every position."""
         if self.proposer is None:
             raise ValueError("a step controller needs a drafter")
         return StepController(
@@ -255,6 +255,7 @@ class ReferenceEngine:
             budget=budget,
             horizon=DraftHorizon.full(self.proposer.depth),
             acceptance=self.acceptance,
+            branching=topk,
             device=self.device,
             fixed_costs=self.step_costs,
         )
@@ -326,7 +327,7 @@ class ReferenceEngine:
             topk=topk,
             cache=self.target.new_cache(prompt_len + max_new_tokens + self._verify_width(budget)),
             uniforms=uniforms,
-            controller=None if budget_policy is None else self._controller(budget_policy, budget),
+            controller=None if budget_policy is None else self._controller(budget_policy, budget, topk),
         )
         if budget_policy is not None and self.proposer is not None:
             self.proposer.start(prompt_len + max_new_tokens + 1)
