@@ -44,6 +44,7 @@ def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_records_match_the_verify_passes(demo_target: DemoTarget, prompt_file: Path) -> None:
     from bastion_sglang.reference import ReferenceEngine
 
@@ -71,6 +72,7 @@ def test_records_match_the_verify_passes(demo_target: DemoTarget, prompt_file: P
     assert checked > 0
 
 
+@pytest.mark.slow
 def test_measure_acceptance_fits_and_reports(demo_target: DemoTarget, prompt_file: Path) -> None:
     settings = AcceptanceSettings(
         prompt_set=str(prompt_file), num_prompts=6, max_new_tokens=48, report_budgets=(1, 16)
@@ -94,6 +96,7 @@ def test_acceptance_settings_reject_bad_values() -> None:
         AcceptanceSettings(num_prompts=2)
 
 
+@pytest.mark.slow
 def test_calibrated_reference_engine_keeps_the_target_output(demo_target: DemoTarget) -> None:
     from bastion_sglang.controller.acceptance import AcceptanceCalibration
     from bastion_sglang.reference import ReferenceEngine

@@ -88,10 +88,12 @@ def only_profile(store: ProfileStore) -> tuple[Path, CalibrationProfile]:
     return files[0], load_profile(files[0])
 
 
+@pytest.mark.slow
 def test_calibrate_runs_end_to_end(calibrated: Calibrated) -> None:
     assert calibrated.exit_code == 0, calibrated.stdout
 
 
+@pytest.mark.slow
 def test_profile_records_the_deployment(calibrated: Calibrated) -> None:
     _, profile = only_profile(calibrated.store)
     meta = profile.metadata
@@ -105,6 +107,7 @@ def test_profile_records_the_deployment(calibrated: Calibrated) -> None:
     assert profile.hardware.name == meta.device_name
 
 
+@pytest.mark.slow
 def test_profile_holds_the_whole_grid_and_step_costs(calibrated: Calibrated) -> None:
     _, profile = only_profile(calibrated.store)
     verify = [sample for sample in profile.samples if sample.mode == "verify"]
@@ -127,6 +130,7 @@ def test_profile_holds_the_whole_grid_and_step_costs(calibrated: Calibrated) -> 
     assert held.mape_widths is not None and held.mape_contexts is not None
 
 
+@pytest.mark.slow
 def test_plot_is_a_real_png_next_to_the_profile(calibrated: Calibrated) -> None:
     path, _ = only_profile(calibrated.store)
     plot = path.with_suffix(".png")
@@ -139,6 +143,7 @@ def test_plot_is_a_real_png_next_to_the_profile(calibrated: Calibrated) -> None:
     assert sorted(p.name for p in calibrated.store.root.iterdir()) == sorted([path.name, plot.name])
 
 
+@pytest.mark.slow
 def test_calibrate_prints_peaks_errors_and_the_path(calibrated: Calibrated) -> None:
     path, _ = only_profile(calibrated.store)
     text = calibrated.stdout
@@ -150,6 +155,7 @@ def test_calibrate_prints_peaks_errors_and_the_path(calibrated: Calibrated) -> N
     assert f"profile    {path}" in text
 
 
+@pytest.mark.slow
 def test_auto_lookup_finds_the_new_profile_for_the_same_identity(calibrated: Calibrated) -> None:
     path, _ = only_profile(calibrated.store)
     identity = RuntimeIdentity.for_runtime(
@@ -167,6 +173,7 @@ def test_auto_lookup_finds_the_new_profile_for_the_same_identity(calibrated: Cal
     assert missed.profile is None and "--attention-backend eager" in missed.warnings[0]
 
 
+@pytest.mark.slow
 def test_profile_list_and_show(calibrated: Calibrated, capsys: pytest.CaptureFixture[str]) -> None:
     path, profile = only_profile(calibrated.store)
     assert cli.main(["profile", "list", "--store", str(calibrated.store.root)]) == 0

@@ -103,6 +103,7 @@ def test_concurrent_setups_convert_once(tmp_path: Path, monkeypatch: pytest.Monk
     assert read_manifest(tmp_path / "smollm2-135m-instruct", verify_hashes=True) is not None
 
 
+@pytest.mark.slow
 def test_setup_gives_a_llama_folder_with_a_chat_template(demo_target: DemoTarget) -> None:
     assert demo_target.path == demo_target.cache_dir / "smollm2-135m-instruct"
     config = json.loads((demo_target.path / "config.json").read_text(encoding="utf-8"))
@@ -111,6 +112,7 @@ def test_setup_gives_a_llama_folder_with_a_chat_template(demo_target: DemoTarget
     assert AutoTokenizer.from_pretrained(demo_target.path).chat_template
 
 
+@pytest.mark.slow
 def test_second_setup_leaves_the_folder_untouched(demo_target: DemoTarget) -> None:
     before = _mtimes(demo_target.path)
     result = setup_demo_target(demo_target.cache_dir)
@@ -129,6 +131,7 @@ def test_missing_package_names_the_pip_command(tmp_path: Path) -> None:
     assert not (tmp_path / "smollm2-135m-instruct").exists()
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_missing_drafter(
     demo_target: DemoTarget, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -139,6 +142,7 @@ def test_serve_refuses_a_missing_drafter(
     assert not (tmp_path / "server.log").exists()
 
 
+@pytest.mark.slow
 def test_a_copy_of_the_gguf_finds_the_folder_built_from_the_package(
     demo_target: DemoTarget, tmp_path: Path
 ) -> None:

@@ -40,7 +40,7 @@ QUESTIONS = (
 NEW_TOKENS = 8
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
