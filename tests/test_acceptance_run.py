@@ -73,6 +73,7 @@ def test_records_match_the_verify_passes(demo_target: DemoTarget, prompt_file: P
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_measure_acceptance_fits_and_reports(demo_target: DemoTarget, prompt_file: Path) -> None:
     settings = AcceptanceSettings(
         prompt_set=str(prompt_file), num_prompts=6, max_new_tokens=48, report_budgets=(1, 16)

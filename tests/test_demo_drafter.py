@@ -33,7 +33,7 @@ from bastion_sglang.registration import attach_config, make_config
 if TYPE_CHECKING:
     from demo_target import DemoTarget
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 pytest_plugins = ["demo_target"]
 
 DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
