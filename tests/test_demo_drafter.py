@@ -1,8 +1,8 @@
 """The committed demo drafter in a real `sglang.Engine` next to the converted SmolLM2-135M-Instruct target.
 
 `models/smollm2-135m-instruct-dflash` (trained by `bastion train-drafter`, see its README.md) must load in
-SGLang's DFlash draft model next to the target from `bastion demo setup` (converted once per session
-into a temporary cache by the `demo_target` plugin), and on 8 held-out prompts (4 HumanEval, 4 MT-Bench,
+SGLang's DFlash draft model next to the target from `bastion demo setup` (converted at most once into
+the user cache by the `demo_target` plugin), and on 8 held-out prompts (4 HumanEval, 4 MT-Bench,
 never seen in training) at T = 0 with MAX_NEW_TOKENS new tokens each, one batch:
 - the chain policy (DFlash's single path of 15 drafted tokens) accepts more than CHAIN_TAU_FLOOR tokens per
   verify pass on average (bonus included), well above the 1.0 of an untrained drafter;

