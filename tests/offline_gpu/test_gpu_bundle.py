@@ -67,6 +67,7 @@ def _finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
     return process.returncode, stdout, stderr
 
 
+@pytest.mark.slow
 def test_import_check_fails_when_the_trim_drops_a_serving_module(trimmed: Path) -> None:
     """The check sees only the trimmed tree: a module missing there is missing, whatever is installed."""
     registry = trimmed / "sglang" / "srt" / "speculative" / "spec_registry.py"
@@ -90,6 +91,7 @@ def import_checks(trimmed: Path) -> dict[str, tuple[int, str, str]]:
     return {mode: _finish(process) for mode, process in processes.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_serving_path_imports_from_trimmed_sources(
     import_checks: dict[str, tuple[int, str, str]], mode: str
