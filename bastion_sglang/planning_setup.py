@@ -29,7 +29,7 @@ from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import HardwareSpec
+from bastion_sglang.controller.roofline import CPU_HARDWARE, HardwareSpec
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
 from bastion_sglang.step_controller import StepController
 
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
     from bastion_sglang.metrics import BastionMetrics
 
 logger = logging.getLogger(__name__)
-
-CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
-"""Roofline peaks assumed on a CPU: 100 GFLOP/s and 20 GB/s, the order of a small x86 server under
-PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
 
 
 DRAFT_SHAPE_CONTEXT = 256

@@ -54,7 +54,13 @@ from bastion_sglang.controller.latency import (
     validate_width_buckets,
 )
 from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel, lookup_gpu
+from bastion_sglang.controller.roofline import (
+    CPU_HARDWARE,
+    HardwareSpec,
+    ModelShape,
+    RooflineModel,
+    lookup_gpu,
+)
 from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
 from bastion_sglang.kernels import topk_logprobs
 from bastion_sglang.reference import DFlashDrafter, TargetModel, load_causal_lm
@@ -86,7 +92,6 @@ FULL_CONTEXTS = tuple(64 * 2**i for i in range(8))  # 64 .. 8192
 FULL_BUDGETS = (64, 128, 256, 512, 1024)
 PLANNER_CONTEXT = 1024
 PLANNER_DEPTH = 15  # D of a block of 16
-NOMINAL_CPU = HardwareSpec(name="nominal-cpu (smoke)", peak_flops=1e11, bandwidth=2e10)
 DEFAULT_PROMPTS = (
     "Solve step by step: a train covers 120 km in 1.5 hours, then 80 km in 1 hour. Find its average speed.",
     "Write a Python function that returns the n-th Fibonacci number using memoization.",
@@ -354,7 +359,7 @@ def environment_for(device: torch.device, dtype: torch.dtype, args: argparse.Nam
     elif device.type == "cuda":
         hardware = lookup_gpu(name)
     elif args.smoke:
-        hardware = NOMINAL_CPU
+        hardware = CPU_HARDWARE
     else:
         raise SystemExit("on a CPU pass --peak-flops and --bandwidth (or --smoke for nominal peaks)")
     return Environment(

@@ -263,6 +263,11 @@ _GPU_PATTERNS = (
 )
 
 
+CPU_HARDWARE = HardwareSpec(name="cpu", peak_flops=1.0e11, bandwidth=2.0e10)
+"""Roofline peaks assumed on a CPU: 100 GFLOP/s and 20 GB/s, the order of a small x86 server under
+PyTorch. Only the shape of the uncalibrated roofline depends on them; the EMA factor rescales it."""
+
+
 def lookup_gpu(device_name: str) -> HardwareSpec:
     """Datasheet spec for a device name as CUDA reports it, e.g. "NVIDIA H100 80GB HBM3" -> H100-SXM.
 
