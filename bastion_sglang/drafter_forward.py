@@ -22,7 +22,7 @@ from bastion_sglang.sglang_adapter import DFlashWorkerV2, draft_tp_context
 from bastion_sglang.spec_input import prepare_draft_forward
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from bastion_sglang.target_forward import DecodeInputs
 
 
 class DrafterForward:
@@ -55,44 +55,36 @@ class DrafterForward:
         self._branching = branching
         self._rewriter = rewriter
 
-    def top_k(
-        self,
-        batch: ScheduleBatch,
-        roots: torch.Tensor,
-        prefix: torch.Tensor,
-        horizon: int,
-        contexts: Sequence[int],
-    ) -> kernels.DraftTopK:
-        """The drafter's K best candidates for the first h = `horizon` positions after each root:
-        DraftTopK [B, h, K] log-probs and ids. roots: [B] bonus tokens; prefix: [B] committed lengths
-        (contexts: their host copy, for the rewriter)."""
-        logits = self.logits(batch, roots, prefix, horizon)
+    def top_k(self, inputs: DecodeInputs, horizon: int, contexts: Sequence[int]) -> kernels.DraftTopK:
+        """The drafter's K best candidates for the first h = `horizon` positions after each root of the
+        step's batch: DraftTopK [B, h, K] log-probs and ids. contexts: [B] committed lengths (host), for the
+        rewriter."""
+        logits = self.logits(inputs, horizon)
         if self._rewriter is not None:
-            logits = self._rewriter(batch.reqs, logits, contexts)
+            logits = self._rewriter(inputs.batch.reqs, logits, contexts)
         return kernels.topk_logprobs(logits, self._branching)
 
-    def logits(
-        self, batch: ScheduleBatch, roots: torch.Tensor, prefix: torch.Tensor, horizon: int
-    ) -> torch.Tensor:
+    def logits(self, inputs: DecodeInputs, horizon: int) -> torch.Tensor:
         """Drafter logits [B, h, V] for the first h = `horizon` of the γ-1 positions after each root.
 
-        roots: [B] bonus tokens; prefix: [B] committed lengths. The block [root, MASK x (γ-1)] is written to
-        the drafter KV at slots req_to_token[r, L : L + γ] (overwritten by the commit later).
+        The block [root, MASK x (γ-1)] is written to the drafter KV at slots req_to_token[r, L : L + γ]
+        (overwritten by the commit later).
         """
         worker = self._worker
-        bs = roots.shape[0]
+        bs = inputs.roots.shape[0]
         block_ids = self._block_ids[:bs]
-        block_ids[:, 0] = roots
+        block_ids[:, 0] = inputs.roots
         embeds = self._embed(block_ids)
         if self._noise_scale != 1.0:
             embeds = embeds * self._noise_scale
         forward_batch = prepare_draft_forward(
-            batch,
+            inputs.batch,
             worker.model_runner,
             worker.draft_model_runner,
             block_ids,
             embeds,
-            prefix,
+            inputs.prefix,
+            inputs.rows_index,
             self._block_offsets,
             self._block_spec_info,
         )

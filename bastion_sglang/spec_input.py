@@ -326,6 +326,7 @@ def prepare_draft_forward(
     block_ids: torch.Tensor,
     embeds: torch.Tensor,
     prefix: torch.Tensor,
+    rows_index: torch.Tensor,
     block_offsets: torch.Tensor,
     block_spec_info: Any,
 ) -> ForwardBatch:
@@ -334,12 +335,12 @@ def prepare_draft_forward(
 
     target_runner: the target's model runner (its req_to_token and KV index translator plan the slots);
     draft_runner: the drafter's. block_ids: [B, γ] int64; embeds: [B, γ, H] the block's input embeddings;
-    prefix: [B] int64 committed lengths L_b; block_offsets: [γ] int64 0..γ-1; block_spec_info: DFlash's
-    block spec info (`sglang_adapter.install_draft_block_spec_info`).
+    prefix: [B] int64 committed lengths L_b; rows_index: [B, 1] int64 the requests' req_to_token rows;
+    block_offsets: [γ] int64 0..γ-1; block_spec_info: DFlash's block spec info
+    (`sglang_adapter.install_draft_block_spec_info`).
     """
     bs, block = block_ids.shape
     positions = prefix[:, None] + block_offsets  # [B, γ]
-    rows_index = batch.req_pool_indices.to(torch.int64)[:, None]
     cache_loc = target_runner.req_to_token_pool.req_to_token[rows_index, positions].to(torch.int64)
     seq_lens_cpu = batch.seq_lens_cpu + block  # host bound on what the block attends to
     plan = sgl.kv_index_translator(target_runner).plan(

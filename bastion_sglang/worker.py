@@ -190,7 +190,7 @@ class BastionWorker(DFlashWorkerV2):
         if horizon > 0:
             with controller.timer.stage("draft"):
                 self._context.write_held()  # the drafter reads every committed token
-                top = self._drafter.top_k(batch, step_inputs.roots, step_inputs.prefix, horizon, contexts)
+                top = self._drafter.top_k(step_inputs, horizon, contexts)
         with controller.timer.stage("plan"):
             planned, tree_pass = self._plan(step_inputs, step, top)
         if tree_pass is None:
@@ -227,14 +227,15 @@ class BastionWorker(DFlashWorkerV2):
         roots' drafter rows are held for the next drafter pass."""
         batch, timer = inputs.batch, self._controller.timer
         bs = len(step.contexts)
-        slots = self._target.root_slots(inputs)
         width, grammar_tree = 1, None
         with timer.stage("verify"):
             if batch.has_grammar or not self._target.runs_plain_decode:
                 tree_pass = self._target.layout(inputs, kernels.root_rows(inputs.roots), step.contexts)
                 target_out = self._target.verify(batch, tree_pass, inputs.prefix_cpu)
                 width, grammar_tree = tree_pass.shape.width, tree_pass.grammar_tree
+                slots = tree_pass.slots[:, 0]  # [B] each root's KV slot, at position L_b
             else:
+                slots = self._target.root_slots(inputs)
                 target_out = self._target.decode_plain(inputs, slots)
         with timer.stage("accept"):
             logits_output = target_out.logits_output
