@@ -8,8 +8,9 @@ A decode step asks the controller, in order (`docs/architecture.md`, "One decode
    `plain` for a step without a draft;
 4. `record`: the plan's pending acceptance record, the speedup ledger's entry, the horizon's observation
    and the plan's metrics;
-5. `end` (or `observe` with times the caller measured itself): the measured stage seconds feed the latency
-   model's online correction and the step-cost tracker; `verified` takes the realised accepted counts.
+5. `end` (or `end_timed` with times the caller measured itself): the measured stage seconds feed the
+   latency model's online correction and the step-cost tracker; `verified` takes the realised accepted
+   counts.
 
 No SGLang and no models here: the controller owns the gate, the draft horizon, the drafted steps' evidence,
 the acceptance and step-cost trackers, the pending plans and the metrics it writes, and prices everything
@@ -378,13 +379,13 @@ class StepController:
         self._close(TimedStep(record, times))
 
     def _close(self, finished: TimedStep[StepRecord] | None) -> None:
-        self.observe(finished)
+        self._observe(finished)
         if self.metrics is not None:
             self.metrics.end_step()
         self._step_index += 1
         self._last_end = time.perf_counter()
 
-    def observe(self, finished: TimedStep[StepRecord] | None) -> None:
+    def _observe(self, finished: TimedStep[StepRecord] | None) -> None:
         """Feed a finished step's measured seconds to the latency model's online correction, the step-cost
         tracker and the metrics. finished: the step's record and its stage times, or None."""
         if finished is None:
