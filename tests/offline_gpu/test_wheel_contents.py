@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from offline_gpu.gpu_carry import repository_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLING_MODULES = (
@@ -33,16 +34,9 @@ TOOLING_MODULES = (
 def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The file names inside the freshly built wheel."""
     source = tmp_path_factory.mktemp("source")
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    ).stdout
-    for name in filter(None, listed.decode().split("\0")):
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(ROOT / name, source / name)
+    for name in repository_files(ROOT):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
     subprocess.run([*command, "-q", "-w", str(out), str(source)], check=True, timeout=600)

@@ -91,16 +91,22 @@ class CarryManifest(BaseModel):
     limit_bytes: int = Field(gt=0, description="what one call may carry in all")
 
 
-def repository_bytes(root: Path = REPO_ROOT) -> int:
-    """Bytes of the files that travel with every call: tracked, plus untracked ones git does not ignore."""
+def repository_files(root: Path = REPO_ROOT) -> list[str]:
+    """The files that travel with every call, relative to `root`: tracked, plus untracked ones git does not
+    ignore (a deleted tracked file not yet committed is left out)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=root,
         check=True,
         capture_output=True,
     ).stdout
-    names = {name for name in listed.decode().split("\0") if name}
-    return sum((root / name).stat().st_size for name in names if (root / name).is_file())
+    names = sorted({name for name in listed.decode().split("\0") if name})
+    return [name for name in names if (root / name).is_file()]
+
+
+def repository_bytes(root: Path = REPO_ROOT) -> int:
+    """Bytes of the files that travel with every call (`repository_files`)."""
+    return sum((root / name).stat().st_size for name in repository_files(root))
 
 
 def part_sizes(total: int, first_room: int, room: int) -> list[int]:
