@@ -1,0 +1,205 @@
+"""Best-first draft trees over a DFlash2 selector lattice: the candidates of a slot depend on the one before.
+
+Terms. A DFlash2 drafter keeps K candidates per slot e = 0..D-1 (`token_ids[e, c]`) and scores every
+transition (SGLang's `CandidateSelector.build_lattice`): `lattice_logprobs[e, p, c]` = log q(candidate c of
+slot e | candidate p of slot e-1), each [K] row a distribution over slot e's candidates
+(`selector_logprobs`). Slot 0 follows the verified root token, so only row [0, 0] is read there (SGLang's
+rows [0, p] are one row repeated). A *node* at depth d is a candidate path (c_1, .., c_d), c_j a candidate
+of slot j-1; its children are the K candidates of slot d, scored by row [d, c_d]; its path score is
+log ρ = lattice_logprobs[0, 0, c_1] + Σ_{j≥2} lattice_logprobs[j-1, c_{j-1}, c_j]. The root (the bonus
+token, ρ = 1) is implicit, as in `tree.py`.
+
+Ranks. Each row is sorted once, descending and stable: the *rank* of child c is its position in its parent's
+row, so equal log-probs rank by candidate index, lowest first. A node's rank tuple (r_1, .., r_d) names it.
+
+Order. Nodes are totally ordered by the key of `tree.py`, (-log ρ, depth, rank tuple): higher score first,
+then shallower, then the lexicographically smaller rank tuple. A node's predecessor in the lazy enumeration
+(its previous sibling, or its parent for a rank-0 child) precedes it in this order (log-probs are <= 0 and
+each row is sorted), so the heap, where a popped node pushes its next sibling and its first child, pops
+exactly in key order, and the first n pops are the n best nodes: prefix-closed, with the largest
+Σ ρ = Â(n) - 1 of any n-node tree (every child scores <= its parent), listed best-first. Where every row
+[e, p] equals row [e, 0] and is sorted (independent positions) the ranks are the candidate indices and the
+tree is `build_tree`'s on logprobs = lattice_logprobs[:, 0], bit for bit.
+
+Cost. One stable sort of the D·K rows, O(D·K² log K), then O(n log n) for n nodes (two pushes per pop).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
+
+
+def selector_logprobs(scores: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The log of SGLang's DFlash2 walk distribution (`CandidateSelector.sample_path`): log_softmax over a
+    slot's candidates of the float32 selector scores divided by the request's temperature.
+
+    scores: [..., D, K, K] raw selector scores, scores[..., e, p, c] (SGLang's `build_lattice`).
+    temperature: a float or a tensor of shape [...] (one per request), >= 0. Temperature 0 (greedy) plans on
+    the temperature-1 log-probs: SGLang's greedy walk takes the argmax, which is the same at every
+    temperature, and its point mass would price every other candidate at zero; the DFlash path plans greedy
+    and sampled requests alike on temperature-1 log-probs (`kernels.topk_logprobs`).
+    Returns [..., D, K, K] float32 log-probs on the device of `scores`. ValueError on a bad shape or
+    temperature.
+    """
+    if scores.dim() < 3 or scores.shape[-1] != scores.shape[-2]:
+        raise ValueError(f"scores must be [..., D, K, K], got shape {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating tensor, got {scores.dtype}")
+    temps = torch.as_tensor(temperature, dtype=torch.float32, device=scores.device)
+    if temps.dim() > 0 and temps.shape != scores.shape[:-3]:
+        raise ValueError(
+            f"temperature shape {tuple(temps.shape)} differs from the leading dims of scores "
+            f"{tuple(scores.shape[:-3])}"
+        )
+    if not bool((temps >= 0).all()):
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+    return torch.log_softmax(scores.float() / temps[..., None, None, None], dim=-1)
+
+
+def validate_lattice(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
+    """Check one selector lattice; return it as a [D, K, K] float64 host array. ValueError naming the problem.
+
+    lattice_logprobs: [D, K, K] floating log-probs, <= 0 (-inf allowed), no NaN, every entry checked (row
+    [0, p > 0] included, although only row [0, 0] is read). token_ids: [D, K] integer.
+    """
+    if lattice_logprobs.dim() != 3 or lattice_logprobs.shape[1] != lattice_logprobs.shape[2]:
+        raise ValueError(f"lattice_logprobs must be [D, K, K], got shape {tuple(lattice_logprobs.shape)}")
+    depth_count, width = lattice_logprobs.shape[:2]
+    if depth_count == 0 or width == 0:
+        raise ValueError(
+            f"lattice_logprobs need at least one slot and one candidate, got {tuple(lattice_logprobs.shape)}"
+        )
+    if token_ids.shape != (depth_count, width):
+        raise ValueError(
+            f"token_ids must be [D, K] = [{depth_count}, {width}] for lattice_logprobs of shape "
+            f"{tuple(lattice_logprobs.shape)}, got {tuple(token_ids.shape)}"
+        )
+    if not lattice_logprobs.is_floating_point():
+        raise ValueError(f"lattice_logprobs must be a floating tensor, got {lattice_logprobs.dtype}")
+    if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    values = lattice_logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()  # exact widening
+    if np.count_nonzero(values <= 0.0) != values.size:  # NaN fails the comparison too
+        nan = np.isnan(values)
+        if nan.any():
+            raise ValueError(f"lattice_logprobs contain NaN, first at index {np.argwhere(nan)[0].tolist()}")
+        worst = np.unravel_index(np.argmax(values), values.shape)
+        raise ValueError(
+            f"lattice_logprobs must be log-probabilities (<= 0), found {values[worst]} at index "
+            f"{[int(i) for i in worst]}"
+        )
+    return values
+
+
+def build_lattice_tree(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
+    """The `budget` best nodes of the selector lattice, best-first (module docstring: key, exactness).
+
+    lattice_logprobs: [D, K, K] log-probs, row [e, p] over slot e's candidates given candidate p of slot e-1
+    (row [0, 0] for slot 0); <= 0, no NaN (`selector_logprobs` makes them from SGLang's scores).
+    token_ids: [D, K] candidate token ids per slot.
+    budget: maximum number of nodes (root excluded); fewer are returned if the lattice is smaller.
+    Returns a DraftTree on the device of `lattice_logprobs`: int64 tokens, parents and depths, float64
+    log_scores formed as parent_score + logprob (depth 1: 0.0 + logprob, the first node its logprob), as
+    `build_tree` forms them. ValueError on bad input. Runs on the host.
+    """
+    values = validate_lattice(lattice_logprobs, token_ids)
+    validate_budget(budget)
+    order = np.argsort(-values, axis=-1, kind="stable")  # [D, K, K]: each row's candidates by rank
+    ranked = -np.sort(-values, axis=-1, kind="stable")  # [D, K, K]: their log-probs, the same order
+    nodes = _best_first(ranked.ravel().tolist(), order.ravel().tolist(), values.shape[1], budget)
+    return _to_tree(*nodes, token_ids, lattice_logprobs.device)
+
+
+def _best_first(
+    ranked: list[float], order: list[int], width: int, budget: int
+) -> tuple[list[float], list[int], list[int], list[int]]:
+    """The heap of the module docstring. ranked, order: the [D, K, K] sorted log-probs of each row and the
+    candidates they belong to, flattened; width: K. Returns (scores, parents, depths, candidates) of the
+    first min(budget, Σ K^d) nodes in key order; parents index that order (ROOT for depth 1), candidates
+    token_ids' rows.
+
+    Heap entry: (-score, depth, key, parent, candidate), where key = Σ_j r_j·K^(d-j) orders the rank tuples
+    of one depth lexicographically (the last rank is key mod K), so no two entries tie on the first three.
+    Per popped node i, `bases[i + 1]` is its score and `starts[i + 1]` where its children's row begins in the
+    flat arrays; index 0 is the root's (score 0.0, row [0, 0]), read through parent ROOT + 1.
+    """
+    depth_count = len(ranked) // (width * width)
+    replace, push, pop = heapq.heapreplace, heapq.heappush, heapq.heappop
+    bases, starts = [0.0], [0]
+    parents: list[int] = []
+    depths: list[int] = []
+    candidates: list[int] = []
+    heap = [(-ranked[0], 1, 0, ROOT, order[0])]
+    for index in range(budget):
+        if not heap:
+            break
+        negative, depth, key, parent, candidate = heap[0]
+        rank = key % width + 1
+        if rank < width:  # the next sibling takes the popped node's place
+            at = starts[parent + 1] + rank
+            replace(heap, (-(bases[parent + 1] + ranked[at]), depth, key + 1, parent, order[at]))
+        else:
+            pop(heap)
+        score = -negative
+        bases.append(score)
+        parents.append(parent)
+        depths.append(depth)
+        candidates.append(candidate)
+        at = (depth * width + candidate) * width  # row [depth, candidate]: the first child's
+        starts.append(at)
+        if depth < depth_count:
+            push(heap, (-(score + ranked[at]), depth + 1, key * width, index, order[at]))
+    return bases[1:], parents, depths, candidates
+
+
+def _to_tree(
+    scores: Sequence[float],
+    parents: Sequence[int],
+    depths: Sequence[int],
+    candidates: Sequence[int],
+    token_ids: torch.Tensor,
+    device: torch.device,
+) -> DraftTree:
+    """The DraftTree of n nodes given as sequences of length n, on `device`. token_ids: [D, K]."""
+    depth_array = np.array(depths, dtype=np.int64)
+    ids = token_ids.detach().cpu().numpy()
+    fields = (
+        ids[depth_array - 1, np.array(candidates, dtype=np.int64)].astype(np.int64, copy=False),
+        np.array(parents, dtype=np.int64),
+        depth_array,
+        np.array(scores, dtype=np.float64),
+    )
+    on_host = [torch.from_numpy(field) for field in fields]
+    return DraftTree(*(on_host if device.type == "cpu" else [field.to(device) for field in on_host]))
+
+
+def lattice_chain(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> DraftTree:
+    """DFlash2's own greedy walk as a DraftTree of D nodes: what the `chain` policy verifies on a lattice.
+
+    The first token is the argmax of row [0, 0], each next one the argmax of row [e, previous candidate]
+    (`CandidateSelector.sample_path` with its greedy mask), the lowest candidate index on a tie (torch's
+    argmax): always the rank-0 child, so the chain is a path of `build_lattice_tree`'s order. It is SGLang's
+    walk on the raw scores unless the float32 log_softmax rounds two distinct scores of a row to one value.
+    lattice_logprobs: [D, K, K], token_ids: [D, K], validated as for `build_lattice_tree`.
+    Returns a DraftTree on the device of `lattice_logprobs`; log_scores as `build_lattice_tree` forms them.
+    """
+    values = validate_lattice(lattice_logprobs, token_ids)
+    best = np.argmax(values, axis=-1).tolist()  # [D][K]: the first maximal candidate of each row
+    rows = values.tolist()
+    candidate = best[0][0]
+    score = rows[0][0][candidate]
+    scores, candidates = [score], [candidate]
+    for slot in range(1, len(rows)):
+        previous, candidate = candidate, best[slot][candidate]
+        score = score + rows[slot][previous][candidate]
+        scores.append(score)
+        candidates.append(candidate)
+    parents, depths = [ROOT, *range(len(rows) - 1)], list(range(1, len(rows) + 1))
+    return _to_tree(scores, parents, depths, candidates, token_ids, lattice_logprobs.device)

@@ -1,0 +1,375 @@
+"""build_lattice_tree against brute force and an explicit sort of every node, build_tree on independent
+positions, DFlash2's greedy walk, and selector_logprobs against SGLang's sample_path softmax."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from bastion_sglang.controller.lattice_tree import build_lattice_tree, lattice_chain, selector_logprobs
+from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, expected_accept_length
+
+KINDS = ["smooth", "ties", "inf"]
+Path = tuple[int, ...]
+"""A node: its candidate path (c_1, .., c_d), c_j a candidate of slot j - 1."""
+
+
+def random_lattice(generator: torch.Generator, depth: int, width: int, kind: str) -> torch.Tensor:
+    """[D, K, K] log-probs with row [0, p] the same for every p, as SGLang's. kind: "smooth"
+    (selector_logprobs of random scores, float32); "ties" (float64 multiples of -0.5 with zeros: exact ties
+    within rows and between the sums of different paths); "inf" (smooth with some entries at -inf, whole
+    rows possible)."""
+    if kind == "ties":
+        lattice = -0.5 * torch.randint(0, 3, (depth, width, width), generator=generator).double()
+    else:
+        lattice = selector_logprobs(3.0 * torch.randn(depth, width, width, generator=generator))
+    if kind == "inf":
+        lattice = lattice.masked_fill(torch.rand(depth, width, width, generator=generator) < 0.3, -math.inf)
+        lattice[-1, -1] = -math.inf
+    lattice[0] = lattice[0, 0].clone()
+    return lattice
+
+
+def distinct_tokens(generator: torch.Generator, depth: int, width: int) -> torch.Tensor:
+    """[D, K] int64 token ids, distinct within each slot (so a token names its candidate)."""
+    return torch.argsort(torch.rand(depth, 4 * width + 3, generator=generator), -1)[:, :width]
+
+
+def log_rho(lattice: list[list[list[float]]], path: Path) -> float:
+    """The path score as the builder forms it: the first log-prob, then parent score + log-prob."""
+    score = lattice[0][0][path[0]]
+    for slot in range(1, len(path)):
+        score = score + lattice[slot][path[slot - 1]][path[slot]]
+    return score
+
+
+def every_node(depth: int, width: int) -> list[Path]:
+    return [path for d in range(1, depth + 1) for path in itertools.product(range(width), repeat=d)]
+
+
+def key_order(lattice: torch.Tensor) -> list[Path]:
+    """Every node sorted by (-log ρ, depth, rank tuple), ranks by a stable descending sort of each row (the
+    lowest candidate first on a tie): the order the builder's docstring states, computed independently."""
+    rows = lattice.double().tolist()
+    depth, width = len(rows), len(rows[0])
+
+    def ranks(path: Path) -> tuple[int, ...]:
+        out = []
+        for slot, candidate in enumerate(path):
+            row = rows[slot][0 if slot == 0 else path[slot - 1]]
+            out.append(sorted(range(width), key=lambda c, row=row: -row[c]).index(candidate))
+        return tuple(out)
+
+    return sorted(every_node(depth, width), key=lambda p: (-log_rho(rows, p), len(p), ranks(p)))
+
+
+def paths_of(tree: DraftTree, token_ids: torch.Tensor) -> list[Path]:
+    """The candidate path of every node, read back through the tokens and parents (checks they agree)."""
+    candidate_of = [{int(t): c for c, t in enumerate(row)} for row in token_ids.tolist()]
+    paths: list[Path] = []
+    for token, parent, depth in zip(
+        tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), strict=True
+    ):
+        prefix = () if parent == ROOT else paths[parent]
+        assert parent < len(paths) and len(prefix) == depth - 1
+        paths.append((*prefix, candidate_of[depth - 1][token]))
+    return paths
+
+
+def prefix_closed_trees(depth: int, width: int, size: int) -> set[frozenset[Path]]:
+    """Every prefix-closed set of `size` nodes (the root implicit), grown from smaller ones a node at a
+    time."""
+    trees: set[frozenset[Path]] = {frozenset()}
+    for _ in range(size):
+        grown = set()
+        for tree in trees:
+            for parent in [(), *tree]:
+                if len(parent) < depth:
+                    for candidate in range(width):
+                        if (child := (*parent, candidate)) not in tree:
+                            grown.add(tree | {child})
+        trees = grown
+    return trees
+
+
+def best_values(lattice: torch.Tensor, sizes: range) -> list[float]:
+    """Per size n, the largest Σ ρ over every prefix-closed n-node tree of the lattice (brute force)."""
+    rows = lattice.double().tolist()
+    depth, width = len(rows), len(rows[0])
+    return [
+        max(sum(math.exp(log_rho(rows, p)) for p in tree) for tree in prefix_closed_trees(depth, width, n))
+        for n in sizes
+    ]
+
+
+SIZES = range(1, 7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_tree_of_every_size_by_brute_force(seed: int) -> None:
+    """D = 3, K = 3: the builder's Â(n) - 1 is the largest Σ ρ of every prefix-closed n-node tree,
+    n = 1..6."""
+    generator = torch.Generator().manual_seed(seed)
+    lattice = random_lattice(generator, 3, 3, "smooth")
+    token_ids = distinct_tokens(generator, 3, 3)
+    for size, best in zip(SIZES, best_values(lattice, SIZES), strict=True):
+        tree = build_lattice_tree(lattice, token_ids, size)
+        assert len(tree) == size
+        assert expected_accept_length(tree) - 1.0 == pytest.approx(best, rel=1e-12)
+
+
+def test_reading_the_lattice_as_independent_positions_misses_the_best_tree() -> None:
+    """The brute-force check can fail: build_tree on row [e, 0] of each slot (each slot's candidates scored
+    as if candidate 0 came before) builds a worse tree on the same lattice."""
+    generator = torch.Generator().manual_seed(0)
+    lattice = random_lattice(generator, 3, 3, "smooth")
+    token_ids = distinct_tokens(generator, 3, 3)
+    rows = lattice.double().tolist()
+    marginals, order = lattice[:, 0].sort(-1, descending=True)
+    misses = []
+    for size, best in zip(SIZES, best_values(lattice, SIZES), strict=True):
+        naive = build_tree(marginals, token_ids.gather(1, order), size)
+        value = sum(math.exp(log_rho(rows, p)) for p in paths_of(naive, token_ids))
+        misses.append(value < best * (1 - 1e-9))
+    assert any(misses)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_order_is_the_stated_key_order(kind: str) -> None:
+    """Every budget takes the first n nodes of the key order, ties included, with the scores formed as the
+    builder's docstring says: prefix-closed (each parent earlier), best-first."""
+    generator = torch.Generator().manual_seed(KINDS.index(kind))
+    for depth, width in ((4, 3), (3, 4), (1, 5), (5, 1), (2, 40)):  # K = 40: rows past insertion sort
+        lattice = random_lattice(generator, depth, width, kind)
+        token_ids = distinct_tokens(generator, depth, width)
+        order = key_order(lattice)
+        rows = lattice.double().tolist()
+        for budget in sorted({0, 1, 2, 5, 17, len(order) - 1, len(order), len(order) + 3}):
+            tree = build_lattice_tree(lattice, token_ids, budget)
+            paths = paths_of(tree, token_ids)
+            assert paths == order[:budget], (kind, depth, width, budget)
+            assert tree.log_scores.tolist() == [log_rho(rows, p) for p in paths]
+            assert tree.depths.tolist() == [len(p) for p in paths]
+            assert all(parent < index for index, parent in enumerate(tree.parents.tolist()))
+            assert bool((tree.log_scores[1:] <= tree.log_scores[:-1]).all())
+
+
+def test_ties_break_by_depth_then_rank_tuple() -> None:
+    """A lattice of equal log-probs: every depth-d node scores -d, so the order is breadth-first with each
+    depth in lexicographic candidate order (stable ranks); the same on every call."""
+    lattice = torch.full((3, 2, 2), -1.0)
+    token_ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    tree = build_lattice_tree(lattice, token_ids, 14)
+    assert tree.tokens.tolist() == [10, 11, 20, 21, 20, 21, 30, 31, 30, 31, 30, 31, 30, 31]
+    assert tree.parents.tolist() == [ROOT, ROOT, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert tree.log_scores.tolist() == [-1.0, -1.0, -2.0, -2.0, -2.0, -2.0, *[-3.0] * 8]
+    again = build_lattice_tree(lattice, token_ids, 14)
+    assert all(torch.equal(getattr(tree, f), getattr(again, f)) for f in ("tokens", "parents", "log_scores"))
+
+
+def test_a_tie_across_parents_goes_to_the_smaller_rank_tuple() -> None:
+    """Slot 0 ranks candidate 1 first; (1, 0) and (0, 0) tie at -1.0 and come in rank-tuple order, (0, 0) <
+    (1, 0), which is not their candidate-path order."""
+    lattice = torch.tensor(
+        [
+            [[-0.75, -0.25], [-0.75, -0.25]],
+            [[-0.25, -2.0], [-0.75, -1.0]],  # row [1, p]: slot 1's candidates after candidate p of slot 0
+        ]
+    )
+    token_ids = torch.tensor([[1, 2], [3, 4]])
+    tree = build_lattice_tree(lattice, token_ids, 6)
+    assert paths_of(tree, token_ids) == [(1,), (0,), (1, 0), (0, 0), (1, 1), (0, 1)]
+    assert tree.log_scores.tolist() == [-0.25, -0.75, -1.0, -1.0, -1.25, -2.75]
+
+
+@pytest.mark.parametrize("kind", ["smooth", "ties", "inf", "zeros"])
+def test_independent_positions_give_build_tree_bit_for_bit(kind: str) -> None:
+    """Every row [e, p] the same sorted row: the tree is build_tree's on those rows (values, ties, signed
+    zeros and -inf alike)."""
+    generator = torch.Generator().manual_seed(7)
+    depth, width = 6, 4
+    if kind == "zeros":
+        logprobs = torch.tensor([[0.0, -0.0, -0.0, -1.0]] * depth, dtype=torch.float64)
+    else:
+        logprobs = random_lattice(generator, depth, width, kind)[:, 0].sort(-1, descending=True).values
+    lattice = logprobs[:, None, :].expand(depth, width, width).contiguous()
+    token_ids = distinct_tokens(generator, depth, width)
+    for budget in (0, 1, 3, 10, 40, 200, 5000):
+        got, want = build_lattice_tree(lattice, token_ids, budget), build_tree(logprobs, token_ids, budget)
+        for field in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (kind, budget, field)
+        assert got.log_scores.dtype == want.log_scores.dtype == torch.float64
+        assert torch.equal(got.log_scores.view(torch.int64), want.log_scores.view(torch.int64)), (
+            kind,
+            budget,
+        )
+
+
+def test_only_row_zero_of_slot_zero_is_read() -> None:
+    """Slot 0 follows the verified token: rows [0, p > 0] do not change the tree."""
+    generator = torch.Generator().manual_seed(3)
+    lattice = random_lattice(generator, 4, 5, "smooth")
+    token_ids = distinct_tokens(generator, 4, 5)
+    changed = lattice.clone()
+    changed[0, 1:] = torch.log_softmax(torch.randn(4, 5, generator=generator), dim=-1)
+    tree, other = build_lattice_tree(lattice, token_ids, 60), build_lattice_tree(changed, token_ids, 60)
+    assert torch.equal(tree.tokens, other.tokens) and torch.equal(tree.log_scores, other.log_scores)
+
+
+def test_large_lattice_is_a_best_first_tree() -> None:
+    """D = 16, K = 8, 256 nodes: each node's score is its parent's plus its row's log-prob, non-increasing."""
+    generator = torch.Generator().manual_seed(11)
+    lattice = random_lattice(generator, 16, 8, "smooth")
+    token_ids = distinct_tokens(generator, 16, 8)
+    tree = build_lattice_tree(lattice, token_ids, 256)
+    rows = lattice.double().tolist()
+    paths = paths_of(tree, token_ids)
+    assert len(tree) == 256 and len(set(paths)) == 256
+    assert tree.log_scores.tolist() == [log_rho(rows, p) for p in paths]
+    assert bool((tree.log_scores[1:] <= tree.log_scores[:-1]).all())
+    assert tree.depths.max() > 1
+
+
+def sglang_greedy_walk(scores: torch.Tensor) -> list[int]:
+    """SGLang's sample_path for a greedy row, on one request's raw scores [D, K, K]: the argmax of
+    scores[0, 0], then each slot's argmax on the row of the previous candidate (its local maps, followed)."""
+    index = int(scores[0, 0].argmax())
+    local_maps = scores[1:].argmax(dim=-1)
+    path = [index]
+    for edge in range(scores.shape[0] - 1):
+        index = int(local_maps[edge, index])
+        path.append(index)
+    return path
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chain_is_sglangs_greedy_walk(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    depth, width = 12, 8
+    scores = 4.0 * torch.randn(depth, width, width, generator=generator)
+    scores[0] = scores[0, 0].clone()
+    token_ids = distinct_tokens(generator, depth, width)
+    chain = lattice_chain(selector_logprobs(scores, 0.0), token_ids)
+    walk = sglang_greedy_walk(scores)
+    assert chain.tokens.tolist() == token_ids.gather(1, torch.tensor(walk)[:, None])[:, 0].tolist()
+    assert chain.parents.tolist() == [ROOT, *range(depth - 1)]
+    assert chain.depths.tolist() == list(range(1, depth + 1))
+    rows = selector_logprobs(scores).double().tolist()
+    assert chain.log_scores.tolist() == [log_rho(rows, tuple(walk[: d + 1])) for d in range(depth)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chain_follows_the_first_children_of_the_best_first_order(seed: int) -> None:
+    """On a lattice full of ties: the chain's first node is the first depth-1 node of the full best-first
+    order and each next one its parent's first child there (the rank-0 child, which the argmax picks)."""
+    generator = torch.Generator().manual_seed(seed)
+    lattice = random_lattice(generator, 4, 3, "ties")
+    token_ids = distinct_tokens(generator, 4, 3)
+    order = paths_of(build_lattice_tree(lattice, token_ids, 3 + 9 + 27 + 81), token_ids)
+    chain = paths_of(lattice_chain(lattice, token_ids), token_ids)
+    first_children = [next(p for p in order if p[:-1] == parent) for parent in [(), *chain[:-1]]]
+    assert chain == first_children
+
+
+def test_chain_ties_take_the_lowest_candidate() -> None:
+    lattice = torch.tensor([[[-1.0, -1.0], [-1.0, -1.0]], [[-2.0, -2.0], [-3.0, -0.5]]])
+    chain = lattice_chain(lattice, torch.tensor([[5, 6], [7, 8]]))
+    assert chain.tokens.tolist() == [5, 7] and chain.log_scores.tolist() == [-1.0, -3.0]
+
+
+def test_selector_logprobs_is_the_log_of_sample_paths_softmax() -> None:
+    """Per request: softmax(scores.float() / T) over a slot's candidates (SGLang's initial and transition
+    probabilities); temperature 0 (greedy) plans at temperature 1."""
+    generator = torch.Generator().manual_seed(5)
+    scores = 2.0 * torch.randn(3, 4, 6, 6, generator=generator, dtype=torch.bfloat16)
+    temperatures = torch.tensor([0.7, 0.0, 1.5])
+    got = selector_logprobs(scores, temperatures)
+    assert got.dtype == torch.float32 and got.shape == scores.shape
+    for request, temperature in enumerate([0.7, 1.0, 1.5]):
+        want = torch.softmax(scores[request].float() / temperature, dim=-1)
+        torch.testing.assert_close(got[request].exp(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(selector_logprobs(scores[0], 0.7), got[0], rtol=0, atol=0)
+    torch.testing.assert_close(
+        selector_logprobs(scores[1], 0.0), selector_logprobs(scores[1]), rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("scores", "temperature", "message"),
+    [
+        (torch.zeros(4, 3), 1.0, r"scores must be \[\.\.\., D, K, K\], got shape \(4, 3\)"),
+        (torch.zeros(2, 3, 4), 1.0, r"scores must be \[\.\.\., D, K, K\], got shape \(2, 3, 4\)"),
+        (torch.zeros(2, 3, 3, dtype=torch.int64), 1.0, "scores must be a floating tensor"),
+        (torch.zeros(2, 3, 3), -0.5, "temperature must be >= 0"),
+        (torch.zeros(2, 3, 3), math.nan, "temperature must be >= 0"),
+        (torch.zeros(2, 4, 3, 3), torch.ones(3), r"temperature shape \(3,\) differs"),
+    ],
+)
+def test_selector_logprobs_errors(scores: torch.Tensor, temperature: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        selector_logprobs(scores, temperature)  # type: ignore[arg-type]
+
+
+def _with(index: tuple[int, ...], value: float) -> torch.Tensor:
+    lattice = torch.full((2, 3, 3), -1.0)
+    lattice[index] = value
+    return lattice
+
+
+@pytest.mark.parametrize(
+    ("lattice", "token_ids", "budget", "message"),
+    [
+        (
+            torch.zeros(2, 3),
+            torch.zeros(2, 3, dtype=torch.int64),
+            4,
+            r"must be \[D, K, K\], got shape \(2, 3\)",
+        ),
+        (torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.int64), 4, r"got shape \(2, 3, 4\)"),
+        (torch.zeros(0, 3, 3), torch.zeros(0, 3, dtype=torch.int64), 4, "at least one slot"),
+        (
+            torch.zeros(2, 3, 3),
+            torch.zeros(2, 4, dtype=torch.int64),
+            4,
+            r"token_ids must be \[D, K\] = \[2, 3\]",
+        ),
+        (torch.zeros(2, 3, 3), torch.zeros(2, 3), 4, "token_ids must be an integer tensor"),
+        (torch.zeros(2, 3, 3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64), 4, "floating"),
+        (
+            _with((1, 2, 0), math.nan),
+            torch.zeros(2, 3, dtype=torch.int64),
+            4,
+            r"NaN, first at index \[1, 2, 0\]",
+        ),
+        (
+            _with((0, 1, 2), 0.25),
+            torch.zeros(2, 3, dtype=torch.int64),
+            4,
+            r"found 0\.25 at index \[0, 1, 2\]",
+        ),
+        (torch.zeros(2, 3, 3), torch.zeros(2, 3, dtype=torch.int64), -1, "budget must be a non-negative int"),
+        (
+            torch.zeros(2, 3, 3),
+            torch.zeros(2, 3, dtype=torch.int64),
+            True,
+            "budget must be a non-negative int",
+        ),
+        (
+            torch.zeros(2, 3, 3),
+            torch.zeros(2, 3, dtype=torch.int64),
+            2.0,
+            "budget must be a non-negative int",
+        ),
+    ],
+)
+def test_bad_input_is_refused_by_name(
+    lattice: torch.Tensor, token_ids: torch.Tensor, budget: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_lattice_tree(lattice, token_ids, budget)  # type: ignore[arg-type]
+    if not message.startswith("budget"):
+        with pytest.raises(ValueError, match=message):
+            lattice_chain(lattice, token_ids)
