@@ -8,9 +8,9 @@ Cases, D = 16 slots, seeded random inputs, every budget:
   random scores;
 - `build_tree_fast` and `build_tree`, K = 8, on the same lattice read as independent positions (row [e, 0]
   of each slot, sorted: draft "lattice rows"), so that the trees have a like shape;
-- `build_tree_fast`, K = 8 and K = 32, on the top-K log-probs of random logits over 4·K tokens (draft
-  "logits"), as `bastion_sglang.controller.bench` drafts: less confident rows than the lattice's (a softmax
-  over K candidates), so a tree of the same budget is shallower;
+- `build_tree_fast`, K = 8 and K = 32, on the top-K log-probs of random logits over VOCAB tokens (draft
+  "logits"): far less confident rows than the lattice's (a softmax over K candidates), so a tree of the same
+  budget is shallow and the threshold search of `build_tree_fast` prunes most of the [D, K] lattice;
 - `selector_logprobs` (scores to log-probs, once a step, no budget).
 Each case is warmed up, then the cases are timed in turns, one call each per round, so that a noisy stretch
 falls on all of them. Prints the median, 10th and 90th percentile microseconds per call and, per budget, the
@@ -41,6 +41,8 @@ WIDTH = 8
 """K of the lattice and of the [D, K] draft it is compared with (BastionConfig's default topk)."""
 WIDE = 32
 """K of the wider [D, K] draft."""
+VOCAB = 1000
+"""Tokens of the random logits of the "logits" drafts."""
 BUDGETS = (16, 64, 256)
 GOAL_RATIO = 2.0
 WARMUP_CALLS = 20
@@ -74,8 +76,8 @@ Case = tuple[str, str, int | None, int, Callable[[], object]]
 
 
 def logits_draft(generator: torch.Generator, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[D, K] float32 top-K log-probs of random logits over 4·K tokens, and their token ids."""
-    top = torch.log_softmax(3.0 * torch.randn(DEPTHS, 4 * width, generator=generator), -1).topk(width, -1)
+    """[D, K] float32 top-K log-probs of random logits over VOCAB tokens, and their token ids."""
+    top = torch.log_softmax(3.0 * torch.randn(DEPTHS, VOCAB, generator=generator), -1).topk(width, -1)
     return top.values, top.indices
 
 
@@ -85,7 +87,7 @@ def cases(budgets: list[int], seed: int) -> list[Case]:
     generator = torch.Generator().manual_seed(seed)
     scores = 3.0 * torch.randn(DEPTHS, WIDTH, WIDTH, generator=generator)
     scores[0] = scores[0, 0].clone()
-    token_ids = torch.argsort(torch.rand(DEPTHS, 1000, generator=generator), -1)[:, :WIDTH]
+    token_ids = torch.argsort(torch.rand(DEPTHS, VOCAB, generator=generator), -1)[:, :WIDTH]
     lattice = selector_logprobs(scores)
     rows, order = lattice[:, 0].sort(-1, descending=True)
     row_ids = token_ids.gather(1, order)
