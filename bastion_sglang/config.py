@@ -13,9 +13,10 @@ floor (worker, graphs, CPU support, registration) reads the configuration from h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from bastion_sglang.controller import AdaptivePolicy, BudgetPolicy
 from bastion_sglang.controller.latency import validate_width_buckets
@@ -35,6 +36,21 @@ DEFAULT_TOPK = 8
 DEFAULT_EMA_ALPHA = 0.1
 ADAPTIVE = AdaptivePolicy()
 """The default policy (a stateless frozen value, shared)."""
+StartupMode = Literal["off", "quick", "full"]
+"""`--bastion-startup-calibration`: whether a server without a stored profile measures one at start-up."""
+STARTUP_MODES: tuple[str, ...] = get_args(StartupMode)
+STARTUP_CALIBRATION_ENV = "BASTION_STARTUP_CALIBRATION"
+"""Environment variable holding the default start-up calibration mode (else quick), e.g. off for a test
+suite that starts many short-lived servers."""
+
+
+def default_startup_calibration() -> StartupMode:
+    """The start-up calibration mode when none is given: $BASTION_STARTUP_CALIBRATION, else quick.
+    ValueError names a value that is not a mode."""
+    value = os.environ.get(STARTUP_CALIBRATION_ENV, "quick").strip().lower()
+    if value not in STARTUP_MODES:
+        raise ValueError(f"${STARTUP_CALIBRATION_ENV}={value!r} is not one of {', '.join(STARTUP_MODES)}")
+    return value  # type: ignore[return-value]
 
 
 def default_width_buckets(max_budget: int) -> tuple[int, ...]:
@@ -67,6 +83,8 @@ class BastionConfig:
     overlap: whether BASTION may run under SGLang's overlap scheduler (`--bastion-overlap-schedule on`).
         False (the default): `--disable-overlap-schedule` is switched on. True: SGLang's own
         `--disable-overlap-schedule` decides (see the architecture page, "Overlap scheduling").
+    startup_calibration: off | quick | full: whether a server with `auto` profile and none stored for its
+        runtime measures one before it serves (`calibration.startup`); default `default_startup_calibration`.
     """
 
     max_budget: int = DEFAULT_MAX_BUDGET
@@ -78,6 +96,7 @@ class BastionConfig:
     draft_proposer: str | None = None
     draft_proposer_arg: str = ""
     overlap: bool = False
+    startup_calibration: StartupMode = field(default_factory=default_startup_calibration)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_budget, bool) or not isinstance(self.max_budget, int) or self.max_budget < 1:
@@ -105,6 +124,11 @@ class BastionConfig:
             )
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.startup_calibration not in STARTUP_MODES:
+            raise ValueError(
+                f"startup_calibration must be one of {', '.join(STARTUP_MODES)}, "
+                f"got {self.startup_calibration!r}"
+            )
         if self.draft_proposer is not None:
             module, _, attr = self.draft_proposer.partition(":")
             if not module or not attr:

@@ -2,9 +2,10 @@
 controller, resolved once at start-up from `--bastion-profile` and the runtime's identity.
 
 `--bastion-profile PATH` loads that profile; `auto` looks in the profile store for the profile of this
-device, target config, dtype, attention backend and tp. Without one, the worker plans on an uncalibrated
-roofline of the target on this device (CPU_HARDWARE on a CPU, the GPU's datasheet otherwise) corrected
-online by the EMA.
+device, target config, dtype, attention backend and tp. Without one (or with one fitted for another drafter),
+a server whose policy plans on latency measures its own at start-up (`calibration.startup`,
+`--bastion-startup-calibration`); with that off, the worker plans on an uncalibrated roofline of the target
+on this device (CPU_HARDWARE on a CPU, the GPU's datasheet otherwise) corrected online by the EMA.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bastion_sglang.calibration.lookup import (
 )
 from bastion_sglang.calibration.lookup import build_latency_model as build_calibrated_latency_model
 from bastion_sglang.calibration.microbench import datasheet_or_measured, measure_peaks
+from bastion_sglang.calibration.startup import StartupCalibration, needs_startup_calibration
 from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
@@ -100,10 +102,15 @@ def planning_hardware(device: torch.device, dtype: torch.dtype) -> HardwareSpec:
 
 
 def resolve_worker_profile(
-    config: BastionConfig, server_args: ServerArgs, dtype: torch.dtype, device: torch.device
+    config: BastionConfig,
+    server_args: ServerArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    startup: StartupCalibration | None = None,
 ) -> ResolvedProfile:
-    """The calibration profile of this runtime (`--bastion-profile`: a path, or `auto` from the store); its
-    warnings are logged here, once."""
+    """The calibration profile of this runtime (`--bastion-profile`: a path, or `auto` from the store, or
+    measured now by `startup` where `needs_startup_calibration` says so); its warnings are logged here, once.
+    """
     identity = RuntimeIdentity.for_runtime(
         device=device,
         model_path=server_args.model_path,
@@ -114,21 +121,38 @@ def resolve_worker_profile(
         draft_model_path=server_args.speculative_draft_model_path,
     )
     spec = "auto" if config.profile_path is None else config.profile_path
-    resolved = resolve_latency_profile(spec, identity, ProfileStore.locate(None))
+    store = ProfileStore.locate(None)
+    resolved = resolve_latency_profile(spec, identity, store)
+    why = None
+    if startup is not None:
+        why = needs_startup_calibration(
+            config.startup_calibration,
+            resolved,
+            config.profile_path is not None,
+            config.policy.may_decline,
+            identity.tp_size,
+            drafter_hash(server_args.speculative_draft_model_path),
+        )
+    if why is not None and startup is not None:
+        resolved = startup.run(identity, store, why)
     for warning in resolved.warnings:
         logger.warning("BASTION: %s", warning)
     return resolved
+
+
+def drafter_hash(draft_model_path: str | None) -> str | None:
+    """The drafter's config hash, None without a drafter path or for a hub id not in the local cache."""
+    try:
+        return model_config_hash(draft_model_path) if draft_model_path else None
+    except ValueError:
+        return None
 
 
 def worker_acceptance(
     resolved: ResolvedProfile, draft_model_path: str | None
 ) -> AcceptanceCalibration | None:
     """The profile's acceptance calibration when it fits this drafter (else None, with a warning logged)."""
-    try:
-        drafter_hash = model_config_hash(draft_model_path) if draft_model_path else None
-    except ValueError:
-        drafter_hash = None  # a hub id not in the local cache: nothing to compare against
-    calibration, warnings = resolve_acceptance(resolved, drafter_hash)
+    calibration, warnings = resolve_acceptance(resolved, drafter_hash(draft_model_path))
     for warning in warnings:
         logger.warning("BASTION: %s", warning)
     if calibration is not None:
@@ -145,12 +169,14 @@ def worker_step_controller(
     block_size: int,
     width_buckets: Sequence[int] | None,
     metrics: BastionMetrics | None,
+    startup: StartupCalibration | None = None,
 ) -> StepController:
     """The worker's step controller: the latency model and acceptance calibration of its profile, a step-cost
     tracker seeded with the profile's costs (T_draft rescaled per request, `draft_seconds_per_request`), the
     config's policy and budget, and a draft horizon (fixed-size policies keep every position: their trees stay
-    DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`."""
-    resolved = resolve_worker_profile(config, server_args, dtype, device)
+    DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`; startup: how
+    this server calibrates itself when it has no profile (None: it does not)."""
+    resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
     latency, profile_costs = worker_latency_model(
         config, server_args, target_config, dtype, device, width_buckets, resolved
     )

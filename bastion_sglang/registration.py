@@ -42,9 +42,12 @@ from bastion_sglang.config import (
     DEFAULT_EMA_ALPHA,
     DEFAULT_MAX_BUDGET,
     DEFAULT_TOPK,
+    STARTUP_MODES,
     BastionConfig,
+    StartupMode,
     attach_config,
     config_of,
+    default_startup_calibration,
     default_width_buckets,
 )
 from bastion_sglang.controller import BudgetPolicy, parse_policy
@@ -102,6 +105,14 @@ def _on_off(text: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return value == "on"
+
+
+def _startup_mode(text: str) -> str:
+    """'quick' -> 'quick' (off, quick, full); anything else is an argparse usage error."""
+    value = text.strip().lower()
+    if value not in STARTUP_MODES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(STARTUP_MODES)}, got {text!r}")
+    return value
 
 
 FLAGS: tuple[_Flag, ...] = (
@@ -162,6 +173,18 @@ FLAGS: tuple[_Flag, ...] = (
         "on: let SGLang's overlap scheduler prepare the next batch while a step runs (then "
         "--disable-overlap-schedule decides); every request parameter acts as without it.",
     ),
+    _Flag(
+        "--bastion-startup-calibration",
+        "bastion_startup_calibration",
+        _startup_mode,
+        "off|quick|full",
+        "BASTION: with --bastion-profile auto and no stored profile for this device, target, dtype, "
+        "attention backend and tp (or one fitted for another drafter), measure one before serving and store "
+        "it. quick "
+        "(default, or $BASTION_STARTUP_CALIBRATION): the server's verify widths at 3 contexts and 9 prompts; "
+        "full: bastion calibrate's width grid up to 8192 tokens of context and 24 prompts; off: plan on the "
+        "uncalibrated roofline corrected online.",
+    ),
 )
 
 
@@ -174,11 +197,13 @@ def make_config(
     width_buckets: tuple[int, ...] | None = None,
     topk: int | None = None,
     overlap: bool | None = None,
+    startup_calibration: StartupMode | None = None,
 ) -> BastionConfig:
     """BastionConfig from the command-line spellings (None: the default). ValueError names a bad value.
 
     policy: adaptive | bucketed | fixed:N | chain. profile: "auto" or a path to a calibration profile.
-    overlap: whether SGLang's overlap scheduler may run BASTION (default False).
+    overlap: whether SGLang's overlap scheduler may run BASTION (default False). startup_calibration:
+    off | quick | full (default `config.default_startup_calibration`).
     """
     budget = DEFAULT_MAX_BUDGET if max_budget is None else max_budget
     if isinstance(budget, int) and budget > MAX_BUDGET_LIMIT:
@@ -203,6 +228,9 @@ def make_config(
         width_buckets=buckets if buckets is not None else (),
         topk=DEFAULT_TOPK if topk is None else topk,
         overlap=bool(overlap),
+        startup_calibration=default_startup_calibration()
+        if startup_calibration is None
+        else startup_calibration,
     )
 
 
@@ -219,6 +247,7 @@ def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
         width_buckets=given["bastion_width_buckets"],
         topk=given["bastion_topk"],
         overlap=given["bastion_overlap_schedule"],
+        startup_calibration=given["bastion_startup_calibration"],
     )
 
 

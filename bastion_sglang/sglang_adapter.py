@@ -585,13 +585,20 @@ MEASUREMENT_INTERNALS: tuple[Internal, ...] = (
     ),
     *_internals(_RUNTIME, "SpawnRanks", "get_device", "publish", "spawn_world_rank"),
     *_internals("sglang.srt.server_args", "PortArgs", "ServerArgs"),
-    *_internals("sglang.benchmark.one_batch", "extend", "prepare_synthetic_inputs_for_latency_test"),
+    *_internals(
+        "sglang.benchmark.one_batch",
+        "extend",
+        "prepare_synthetic_inputs_for_latency_test",
+        "TreeCacheNamespace",
+    ),
+    *_members("sglang.srt.managers.schedule_batch", "ScheduleBatch", "init_new", "prepare_for_extend"),
+    *_members("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "NONE"),
     *_internals(
         "sglang.srt.distributed.parallel_state", "destroy_distributed_environment", "destroy_model_parallel"
     ),
 )
-"""What calibration's `sglang` measurement engine uses to build a ModelRunner outside a server; checked by
-`require` when that engine opens."""
+"""What calibration's `sglang` measurement engine uses to build a ModelRunner outside a server and to prefill
+prompts on it; checked by `require` when that engine opens or a server calibrates itself at start-up."""
 
 
 class SglangMismatchError(ImportError):

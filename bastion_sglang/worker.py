@@ -26,6 +26,7 @@ import torch
 
 from bastion_sglang import kernels
 from bastion_sglang.accept import Acceptor, RowLogits, is_greedy
+from bastion_sglang.calibration.startup import StartupCalibration
 from bastion_sglang.commit import DraftContextWriter, attach_logprobs, commit_tree
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.draft_context import ContextRows
@@ -45,7 +46,7 @@ from bastion_sglang.sglang_adapter import (
     get_spec,
 )
 from bastion_sglang.spec_input import BastionDraftInput
-from bastion_sglang.step_controller import StepPlan, StepRecord, StepStart
+from bastion_sglang.step_controller import StepController, StepPlan, StepRecord, StepStart
 from bastion_sglang.target_forward import DecodeInputs, TargetForward, TreePass
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ class BastionWorker(DFlashWorkerV2):
         self.config = config
         block_size = int(get_spec().speculative_dflash_block_size)  # resolved by handle_server_args
         self.block_size = block_size
-        device = torch.device(self.device)
         self._reserve = 2 * max(block_size, config.verify_width_cap)
         vocab_size = int(self.model_runner.model_config.vocab_size)
         self._acceptor = Acceptor(vocab_size, str(get_exec().kernel.sampling_backend))
@@ -89,21 +89,13 @@ class BastionWorker(DFlashWorkerV2):
         )
         self._context = DraftContextWriter(self)  # drafter KV rows of width-1 steps
         self._target = TargetForward(self, config.verify_width_cap, config.width_buckets)
-        metrics = (
+        self._metrics = (
             BastionMetrics(scheduler_metric_labels())
             if get_observability().enable_metrics and get_parallel().attn_tp_rank == 0
             else None
         )
-        self._controller = worker_step_controller(
-            config,
-            server_args,
-            self.model_runner.model_config.hf_config.to_dict(),
-            self.model_runner.model_config.dtype,
-            device,
-            block_size,
-            planning_widths(self._target.graph_widths, config.verify_width_cap),
-            metrics,
-        )
+        self._server_args = server_args
+        self._controller: StepController  # built in init_cuda_graphs, once the KV pools exist
         self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         logger.info(
             "BASTION worker: drafter block %d, N_max %d (verify width cap %d), K %d, policy %s",
@@ -117,9 +109,43 @@ class BastionWorker(DFlashWorkerV2):
     # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
 
     def init_cuda_graphs(self) -> None:
-        """SGLang's DFlash drafter graphs, then a target-verify graph runner per width bucket (`graphs`)."""
+        """SGLang's DFlash drafter graphs, a target-verify graph runner per width bucket (`graphs`), then the
+        step controller. The scheduler calls this last in its model set-up, after the KV pools and attention
+        backends exist, so a server with no profile for its runtime can first measure one (`planning_setup`,
+        `calibration.startup`)."""
         super().init_cuda_graphs()
         self._target.capture_graphs()
+        config, server_args = self.config, self._server_args
+        self._controller = worker_step_controller(
+            config,
+            server_args,
+            self.model_runner.model_config.hf_config.to_dict(),
+            self.model_runner.model_config.dtype,
+            torch.device(self.device),
+            self.block_size,
+            planning_widths(self._target.graph_widths, config.verify_width_cap),
+            self._metrics,
+            self._startup_calibration(),
+        )
+
+    def _startup_calibration(self) -> StartupCalibration | None:
+        """How this server measures its own profile at start-up (`calibration.startup`): on the target's
+        runner, at its width buckets (its CUDA-graph widths) and cap; None with
+        `--bastion-startup-calibration off`."""
+        config, server_args = self.config, self._server_args
+        if config.startup_calibration == "off":
+            return None
+        runner = self.model_runner
+        return StartupCalibration(
+            mode=config.startup_calibration,
+            runner=runner,
+            draft_path=str(server_args.speculative_draft_model_path),
+            tokenizer_path=str(server_args.tokenizer_path or server_args.model_path),
+            device=torch.device(self.device),
+            dtype=runner.model_config.dtype,
+            planning_widths=(*config.width_buckets, config.verify_width_cap),
+            topk=config.topk,
+        )
 
     def _maybe_build_draft_sampler(self) -> None:
         """No in-graph greedy draft sampler: BASTION reads the drafter's hidden states for every token."""

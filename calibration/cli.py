@@ -23,18 +23,13 @@ import argparse
 import importlib.metadata
 import importlib.util
 import logging
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bastion_sglang.calibration.acceptance_run import (
-    AcceptanceSettings,
-    describe_acceptance,
-    measure_acceptance,
-)
+from bastion_sglang.calibration.acceptance_fit import AcceptanceSettings, describe_acceptance
+from bastion_sglang.calibration.acceptance_run import measure_acceptance
 from bastion_sglang.calibration.engines import REFERENCE_BACKENDS, open_engine
 from bastion_sglang.calibration.fitting import build_profile, now_utc
 from bastion_sglang.calibration.identity import (
@@ -43,7 +38,9 @@ from bastion_sglang.calibration.identity import (
     config_file,
     detect_device,
     device_name,
+    driver_version,
     dtype_name,
+    installed_version,
     model_config_hash,
     parse_dtype,
 )
@@ -189,33 +186,6 @@ def choose_attention_backend(requested: str | None, engine: Engine, device: torc
     backend = "sdpa" if engine == "reference" else CHOSEN_BACKENDS[kind]
     logger.info("attention backend: %s (the %s default on %s)", backend, engine, device.type)
     return backend
-
-
-def driver_version(device: torch.device) -> str | None:
-    """The NVIDIA driver version from nvidia-smi, None on the CPU or where nvidia-smi is absent."""
-    smi = shutil.which("nvidia-smi")
-    if device.type != "cuda" or smi is None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    result = subprocess.run(
-        [smi, "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(index)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    if result.returncode != 0:
-        logger.warning("nvidia-smi failed (%s); the profile records no driver version", result.stderr.strip())
-        return None
-    return result.stdout.strip() or None
-
-
-def installed_version(package: str) -> str | None:
-    """The installed version of `package`, None when it is not installed."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,9 @@ def open_engine(
             max_width=max_width,
         )
     if engine == "sglang":
-        from bastion_sglang.calibration.sglang_runner import SglangMeasurement
+        from bastion_sglang.calibration.sglang_runner import open_sglang_measurement
 
-        return SglangMeasurement(
+        return open_sglang_measurement(
             target_path,
             draft_path,
             device=device,

@@ -16,8 +16,11 @@ looks a profile up. Both sides compute them with the functions here, so the stri
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Literal
 
@@ -204,3 +207,30 @@ class RuntimeIdentity(BaseModel):
         if self.engine is not None:
             pairs.append(("engine", metadata.engine, self.engine))
         return [(field, theirs, ours) for field, theirs, ours in pairs if theirs != ours]
+
+
+def driver_version(device: torch.device) -> str | None:
+    """The NVIDIA driver version from nvidia-smi, None on the CPU or where nvidia-smi is absent."""
+    smi = shutil.which("nvidia-smi")
+    if device.type != "cuda" or smi is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    result = subprocess.run(
+        [smi, "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(index)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    if result.returncode != 0:
+        logger.warning("nvidia-smi failed (%s); the profile records no driver version", result.stderr.strip())
+        return None
+    return result.stdout.strip() or None
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of `package`, None when it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None

@@ -39,6 +39,7 @@ class ProfileSource(enum.Enum):
 
     EXPLICIT = "explicit path"
     STORE = "profile store"
+    STARTUP = "start-up calibration"
     NONE = "none (uncalibrated roofline)"
 
 

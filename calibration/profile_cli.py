@@ -20,7 +20,7 @@ from bastion_sglang.calibration.identity import RuntimeIdentity, config_dtype, d
 from bastion_sglang.calibration.lookup import AUTO, resolve_latency_profile
 from bastion_sglang.calibration.store import ProfileStore, StoreEntry, plot_path_for
 from bastion_sglang.controller.latency import LeaveOutFold, LeaveOutReport
-from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, load_profile
+from bastion_sglang.controller.profile import CalibrationProfile, MadeBy, ProfileError, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ def leave_out_lines(report: LeaveOutReport | None) -> list[str]:
     return lines
 
 
+MADE_BY_WORDS: dict[MadeBy, str] = {
+    "calibrate": "bastion calibrate",
+    "startup-quick": "a server's quick start-up calibration",
+    "startup-full": "a server's full start-up calibration",
+}
+"""How `profile show` names each `ProfileMetadata.made_by`."""
+
+
 def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str]:
     """Lines summarising a profile: identity, measured peaks, fit, errors, grid, step costs."""
     meta, fit, report, costs = profile.metadata, profile.fit, profile.report, profile.step_costs
@@ -88,7 +96,7 @@ def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str
         f"engine     {meta.engine} (sglang {meta.sglang_version or '-'}), "
         f"attention {meta.attention_backend}, tp {meta.tp_size}",
         f"model      {meta.model_path} (config {meta.model_config_hash[:12]}), dtype {meta.dtype}",
-        f"created    {meta.created_at.isoformat(timespec='seconds')}",
+        f"created    {meta.created_at.isoformat(timespec='seconds')} by {MADE_BY_WORDS[meta.made_by]}",
         f"peaks      {hardware.peak_flops / 1e12:.3f} TFLOP/s, {hardware.bandwidth / 1e9:.1f} GB/s "
         f"(measured), {profile.bytes_per_element:g} bytes/element",
         f"fit        T = {_ms(fit.beta_fixed)} + {fit.alpha_gemm:.4g}·G + "

@@ -63,6 +63,10 @@ class ProfileError(Exception):
         self.detail = detail
 
 
+MadeBy = Literal["calibrate", "startup-quick", "startup-full"]
+"""How a profile was measured (`ProfileMetadata.made_by`)."""
+
+
 class ProfileMetadata(BaseModel):
     """Where and for what a profile was measured."""
 
@@ -79,6 +83,11 @@ class ProfileMetadata(BaseModel):
     attention_backend: str = Field(min_length=1)
     tp_size: int = Field(ge=1)
     created_at: AwareDatetime
+    made_by: MadeBy = Field(
+        default="calibrate",
+        description="calibrate: `bastion calibrate` (the thorough grid); startup-quick / startup-full: a "
+        "server's start-up calibration (`--bastion-startup-calibration`)",
+    )
 
 
 class StepCosts(BaseModel):

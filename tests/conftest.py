@@ -1,6 +1,9 @@
-"""Puts tests/ on sys.path so test modules can import the shared helpers (`from tiny_models import ...`), and
-holds the fixtures several modules share."""
+"""Puts tests/ on sys.path so test modules can import the shared helpers (`from tiny_models import ...`),
+holds the fixtures several modules share, and turns servers' start-up calibration off unless a test asks for
+it (every server a test starts would otherwise measure itself first; `$BASTION_STARTUP_CALIBRATION` reaches
+the servers' processes too)."""
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("BASTION_STARTUP_CALIBRATION", "off")
 
 
 @pytest.fixture(scope="module")

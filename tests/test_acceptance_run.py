@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from bastion_sglang.calibration.acceptance_run import (
-    PLANNING_HARDWARE,
+from bastion_sglang.calibration.acceptance_fit import (
     AcceptanceSettings,
     describe_acceptance,
-    measure_acceptance,
     prompt_token_ids,
+)
+from bastion_sglang.calibration.acceptance_run import (
+    PLANNING_HARDWARE,
+    measure_acceptance,
     records_of_generation,
 )
 from bastion_sglang.calibration.identity import model_config_hash

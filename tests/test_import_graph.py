@@ -158,8 +158,11 @@ FLOORS: tuple[Floor, ...] = (
                     "sweep",
                     "plot",
                     "profile_cli",
+                    "acceptance_fit",
                 )
             ),
+            f"{_P}.prompt_sets",
+            f"{_P}.assets",
         ),
         sglang=False,
     ),
@@ -188,6 +191,10 @@ FLOORS: tuple[Floor, ...] = (
                 "commit",
                 "target_forward",
                 "planning_setup",
+                "calibration.runner_measurement",
+                "calibration.startup",
+                "reference.drafter",
+                "reference.proposer",
             )
         ),
         sglang=True,
@@ -196,9 +203,10 @@ FLOORS: tuple[Floor, ...] = (
     Floor(
         "commands",
         (
-            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve", "prompt_sets", "assets")),
+            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve")),
             *_under(f"{_P}.bench"),
-            *_under(f"{_P}.reference"),
+            f"{_P}.reference",
+            *(f"{_P}.reference.{name}" for name in ("engine", "pair_bench", "sampling", "stats", "target")),
             *_under(f"{_P}.training"),
             *(
                 f"{_P}.calibration.{name}"

@@ -1,0 +1,311 @@
+"""The `sglang` measurement engine on a target ModelRunner of a BASTION deployment, verified as BASTION's
+worker does: the runner `sglang_runner.open_sglang_measurement` builds for `bastion calibrate`, or a starting
+server's own (`startup`).
+
+- context: a prefill of c random tokens through SGLang's benchmark `extend` (sglang.benchmark.one_batch);
+- verify: `spec_input.prepare_verify_forward` with `kernels.flat_custom_mask` (forward batch and attention
+  metadata, the worker's own preparation), then `ModelRunner.forward`, timed from the preparation on;
+- decode (L_AR): a DECODE forward of one token at position c, greedy pick;
+- T_draft: the reference engine's DFlash drafter (`bastion_sglang.reference.drafter`) on the same device,
+  reading the SGLang target's embedding and LM head weights; its context K/V come from random features
+  (values do not change the cost). The worker drafts through SGLang's DFlash draft runner instead, which has
+  no single-pass entry point; the FLOPs and bytes are the same, the kernels are not;
+- acceptance records (`greedy_records`): the target's greedy continuations in SGLang's own forwards and the
+  same drafter on the target's real features.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from bastion_sglang.calibration.random_inputs import CONTEXT_SEED
+from bastion_sglang.controller.acceptance import AcceptanceRecord
+from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from bastion_sglang.reference.proposer import DFlashProposer
+
+logger = logging.getLogger(__name__)
+
+
+class SglangMeasurement:
+    """The `sglang` engine (module docstring) on a given target ModelRunner."""
+
+    needs_flat_mask = True
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        draft_path: str | Path,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_width: int,
+        owns_runtime: bool,
+    ) -> None:
+        """Measure on `runner`, a target ModelRunner of a BASTION deployment whose KV pools hold nothing else
+        while the measurement runs (`open` builds one; a starting server passes its own). owns_runtime:
+        whether `close` tears SGLang's process groups down (True) or only empties the KV pools (False)."""
+        self._runner = runner
+        self._device = torch.device(device)
+        self._max_width = max_width
+        self._owns_runtime = owns_runtime
+        self._vocab = int(runner.model_config.vocab_size)
+        self._batch: ScheduleBatch | None = None
+        self._context = 0
+        self._slots = torch.empty(0, dtype=torch.int64, device=self._device)  # [max_width] verify KV slots
+        self._prefix = torch.zeros(1, dtype=torch.int64, device=self._device)  # [1] committed tokens
+        self._prefix_cpu = torch.zeros(1, dtype=torch.int64)  # [1] host copy
+        self._committed = torch.zeros(1, dtype=torch.int64, device=self._device)  # [context + 1] tokens
+        self._no_features = torch.empty(0)  # [0, F·h] drafter features: nothing new to ingest
+        self._proposer = _drafter_on_target(draft_path, runner, self._vocab, self._device, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @torch.no_grad()
+    def set_context(self, context: int) -> None:
+        from sglang.benchmark.one_batch import extend, prepare_synthetic_inputs_for_latency_test
+
+        from bastion_sglang.draft_protocols import DraftInput
+
+        runner = self._runner
+        runner.req_to_token_pool.clear()
+        runner.token_to_kv_pool_allocator.clear()
+        generator = np.random.default_rng(CONTEXT_SEED)
+        tokens = generator.integers(0, self._vocab, context + 1).tolist()
+        reqs = prepare_synthetic_inputs_for_latency_test(1, context, custom_inputs=[tokens[:context]])
+        _, _, batch = extend(reqs, runner)
+        slots = runner.token_to_kv_pool_allocator.alloc(self._max_width)
+        if slots is None:
+            raise ValueError(f"SGLang's KV pool cannot hold {context} + {self._max_width} tokens")
+        rows = batch.req_pool_indices.to(torch.int64)
+        pool = runner.req_to_token_pool.req_to_token
+        pool[rows, context : context + self._max_width] = slots.to(pool.dtype)
+        self._batch, self._context, self._slots = batch, context, slots.to(torch.int64)
+        self._prefix = batch.seq_lens.clone()
+        self._prefix_cpu = batch.seq_lens_cpu.clone()
+        self._committed = torch.tensor(tokens, dtype=torch.int64, device=self._device)
+        self._proposer.start(context + 1)
+        features_generator = torch.Generator(device=self._device).manual_seed(CONTEXT_SEED)
+        fc = self._proposer.drafter.fc
+        features = torch.randn(
+            (context, fc.in_features),
+            device=self._device,
+            dtype=fc.weight.dtype,
+            generator=features_generator,
+        )
+        self._proposer.propose(DraftInput(self._committed, features), 1)  # ingests the context
+        self._no_features = features[:0]
+
+    @torch.no_grad()
+    def draft(self, k: int) -> DraftTopK:
+        from bastion_sglang.draft_protocols import DraftInput
+
+        return self._proposer.propose(DraftInput(self._committed, self._no_features), k)
+
+    def _require_batch(self) -> ScheduleBatch:
+        if self._batch is None:
+            raise ValueError("set_context must run before a forward")
+        return self._batch
+
+    @torch.no_grad()
+    def verify(self, rows: TreeBatch, layout: VerifyLayout) -> None:
+        from bastion_sglang import kernels
+        from bastion_sglang.spec_input import prepare_verify_forward
+
+        batch = self._require_batch()
+        mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._context)
+        slots = self._slots[None, : rows.width]  # [1, W]
+        forward_batch, _ = prepare_verify_forward(
+            batch, self._runner, rows.tokens, layout.positions, mask, slots, self._prefix_cpu
+        )
+        self._runner.forward(forward_batch)
+
+    @torch.no_grad()
+    def decode(self) -> None:
+        from bastion_sglang.sglang_adapter import ForwardBatch, ForwardMode
+
+        batch = self._require_batch()
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None
+        batch.input_ids = self._committed[self._context :]
+        batch.out_cache_loc = self._slots[:1]
+        batch.seq_lens = self._prefix + 1
+        batch.seq_lens_cpu = self._prefix_cpu + 1
+        batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
+        batch.seq_lens_sum = None
+        forward_batch = ForwardBatch.init_new(batch, self._runner, return_hidden_states_before_norm=False)
+        out = self._runner.forward(forward_batch)
+        torch.argmax(out.logits_output.next_token_logits, dim=-1)
+
+    @torch.no_grad()
+    def greedy_records(
+        self, prompts: Sequence[Sequence[int]], new_tokens: int, topk: int, eos_ids: Collection[int]
+    ) -> list[list[AcceptanceRecord]]:
+        """The target's greedy continuation of every prompt in SGLang's own forwards, and at each of its
+        first `new_tokens` roots the drafter's top-K on the target's real features of the tokens before it.
+
+        One prefill of all prompts (every hidden state captured: the drafter's features), then
+        new_tokens + D - 1 DECODE forwards of the whole batch (D: the drafter's depth); then, prompt by
+        prompt, one drafter pass per root. Returns, per prompt, one record per root r: the drafter pass whose
+        root is generated token r ([D, topk] log-probs and ids, host float32) and the target's next D tokens
+        (fewer where the output ends at one of `eos_ids`, as a server's request would; no root after it).
+        The KV pools are emptied first and hold these prompts afterwards.
+        """
+        from bastion_sglang.sglang_adapter import CaptureHiddenMode, ForwardBatch
+        from bastion_sglang.spec_input import plain_decode_forward
+
+        runner, device = self._runner, self._device
+        steps = new_tokens + self._proposer.depth - 1
+        runner.req_to_token_pool.clear()
+        runner.token_to_kv_pool_allocator.clear()
+        batch = _prompt_batch(runner, prompts)
+        forward_batch = ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+        )
+        out = runner.forward(forward_batch).logits_output
+        lengths = [len(prompt) for prompt in prompts]
+        features = list(out.hidden_states.split(lengths))  # per prompt [P, F·h], grown by one per step
+        firsts = out.next_token_logits[:, : self._vocab].argmax(dim=-1).tolist()
+        tokens = [[*prompt, first] for prompt, first in zip(prompts, firsts, strict=True)]
+        slots = runner.token_to_kv_pool_allocator.alloc(len(prompts) * steps)
+        if slots is None:
+            raise ValueError(
+                f"SGLang's KV pool cannot hold {sum(lengths)} prompt tokens and {steps} more each"
+            )
+        slots = slots.to(torch.int64).view(len(prompts), steps)
+        pool = runner.req_to_token_pool.req_to_token
+        for row, length, row_slots in zip(batch.req_pool_indices.tolist(), lengths, slots, strict=True):
+            pool[row, length : length + steps] = row_slots.to(pool.dtype)
+        prefix = torch.tensor(lengths, dtype=torch.int64, device=device)
+        for step in range(steps):
+            roots = torch.tensor([row[-1] for row in tokens], dtype=torch.int64, device=device)
+            with plain_decode_forward(batch, runner, roots, slots[:, step], prefix, prefix.cpu()) as decode:
+                out = runner.forward(decode).logits_output
+            for b, chosen in enumerate(out.next_token_logits[:, : self._vocab].argmax(dim=-1).tolist()):
+                features[b] = torch.cat([features[b], out.hidden_states[b : b + 1]])
+                tokens[b].append(chosen)
+            prefix += 1
+        return [
+            self._records_along(row, length, row_features, new_tokens, topk, eos_ids)
+            for row, length, row_features in zip(tokens, lengths, features, strict=True)
+        ]
+
+    def _records_along(
+        self,
+        tokens: list[int],
+        prompt_length: int,
+        features: torch.Tensor,
+        new_tokens: int,
+        topk: int,
+        eos_ids: Collection[int],
+    ) -> list[AcceptanceRecord]:
+        """`greedy_records` of one prompt: tokens, the prompt and its continuation; features [len, F·h], the
+        target's features of every position but the last."""
+        from bastion_sglang.draft_protocols import DraftInput
+
+        depth = self._proposer.depth
+        self._proposer.start(len(tokens) + 1)
+        ingested = 0
+        records = []
+        for root in range(prompt_length, prompt_length + new_tokens):
+            if tokens[root] in eos_ids:
+                break  # the output ended: no step after it
+            committed = torch.tensor(tokens[: root + 1], dtype=torch.int64, device=self._device)
+            top = self._proposer.propose(DraftInput(committed, features[ingested:root]), topk)
+            ingested = root
+            continuation = tuple(tokens[root + 1 : root + 1 + depth])
+            ends = next((i for i, token in enumerate(continuation) if token in eos_ids), None)
+            if ends is not None:
+                continuation = continuation[: ends + 1]
+            logprobs = top.logprobs[0, :, :topk].to("cpu", torch.float32)
+            records.append(AcceptanceRecord(logprobs, top.token_ids[0, :, :topk].cpu(), continuation))
+        return records
+
+    def discard(self) -> None:
+        """Back to the committed prefix (verify and decode only wrote the reserved slots)."""
+        batch = self._require_batch()
+        batch.seq_lens = self._prefix.clone()
+        batch.seq_lens_cpu = self._prefix_cpu.clone()
+        batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
+        batch.seq_lens_sum = self._context
+
+    def close(self) -> None:
+        """Tear down SGLang's process groups (a runtime `open` built), or empty the KV pools of a runner that
+        goes on serving."""
+        self._batch = None
+        if not self._owns_runtime:
+            self._runner.req_to_token_pool.clear()
+            self._runner.token_to_kv_pool_allocator.clear()
+            return
+        from sglang.srt.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _prompt_batch(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> ScheduleBatch:
+    """An EXTEND batch of one request per prompt on `runner`'s pools, as SGLang's one-batch benchmark builds
+    it (no prefix cache), ready for its forward."""
+    from sglang.benchmark.one_batch import TreeCacheNamespace, prepare_synthetic_inputs_for_latency_test
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from bastion_sglang.sglang_adapter import get_schedule
+
+    inputs = [list(prompt) for prompt in prompts]
+    reqs = prepare_synthetic_inputs_for_latency_test(len(inputs), 0, custom_inputs=inputs)
+    tree_cache = TreeCacheNamespace(
+        page_size=get_schedule().page_size,
+        device=runner.device,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+    )
+    batch = ScheduleBatch.init_new(
+        reqs=reqs,
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        model_config=runner.model_config,
+        enable_overlap=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+    )
+    batch.prepare_for_extend()
+    if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+        batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+        batch.prefill_input_ids_cpu = None
+    return batch
+
+
+def _drafter_on_target(
+    draft_path: str | Path, runner: ModelRunner, vocab: int, device: torch.device, dtype: torch.dtype
+) -> DFlashProposer:
+    """The reference DFlash drafter for T_draft (module docstring) on the SGLang target's embedding and
+    LM head weights (no copy)."""
+    from bastion_sglang.reference.drafter import DFlashDrafter
+    from bastion_sglang.reference.proposer import DFlashProposer
+
+    model = runner.model
+    layers = int(runner.model_config.hf_config.num_hidden_layers)
+    drafter = DFlashDrafter.from_pretrained(draft_path, device=device, dtype=dtype, target_num_layers=layers)
+    head_weight = model.lm_head.weight[:vocab]
+    head = nn.Linear(head_weight.shape[1], vocab, bias=False, device="meta")
+    head.weight = nn.Parameter(head_weight, requires_grad=False)
+    return DFlashProposer(drafter, model.get_input_embeddings(), head)

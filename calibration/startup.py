@@ -1,0 +1,292 @@
+"""A server's start-up calibration: with no stored profile for its identity, the server measures its own
+verify latency, step costs and drafter acceptance before it reports healthy, and stores the profile.
+
+When (`needs_startup_calibration`): `--bastion-startup-calibration` is quick or full, `--bastion-profile` is
+`auto`, the policy plans on the latency model (adaptive, bucketed), TP size 1 (a sweep times one rank), and
+the profile store holds no profile of this device, target config, dtype, attention backend and tp, or holds
+one whose acceptance calibration was fitted for another drafter.
+
+What (`StartupCalibration.run`), on the server's own target ModelRunner before it serves anything:
+- the device's peak matmul FLOP/s and copy bandwidth (`microbench.measure_peaks`, a second or two);
+- the verify grid (`sweep.measure_verify_grid`): quick: the server's planning widths (its CUDA-graph
+  buckets and the cap) at three contexts (64, 256, 1024 tokens, cut to what the KV pool and context length
+  hold), 1 warm-up and 3 timed rounds; full: `bastion calibrate`'s width grid up to the cap at contexts
+  from 64 to 8192 tokens, 2 warm-up and 5 timed rounds; plain decode at every context;
+- the same latency fit and step costs as `bastion calibrate` (`sweep.measure_step_costs`);
+- acceptance (`SglangMeasurement.greedy_records`): quick: 12 prompts and 32 roots each, full: 36 and 48, of
+  ShareGPT's held-out split (no drafter training or default benchmark sees them; as many as the KV pool holds
+  at once), the target's greedy continuation in SGLang's own forwards and the drafter's top-K at every root;
+  fitted and scored as `bastion calibrate` does (`acceptance_run.fit_held_out`).
+The profile is marked `made_by` startup-quick or startup-full and written to the store, so the next start
+with the same identity reuses it. A store that cannot be written is logged as an error naming it; the server
+plans with the profile all the same, and measures again at its next start.
+
+`bastion calibrate` stays the thorough path: a wider grid, more repeats and prompts, and a plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from bastion_sglang.calibration.acceptance_fit import (
+    AcceptanceResult,
+    AcceptanceSettings,
+    describe_acceptance,
+    fit_held_out,
+    prompt_token_ids,
+)
+from bastion_sglang.calibration.fitting import build_profile, now_utc
+from bastion_sglang.calibration.identity import (
+    RuntimeIdentity,
+    driver_version,
+    installed_version,
+    model_config_hash,
+)
+from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
+from bastion_sglang.calibration.microbench import measure_peaks
+from bastion_sglang.calibration.profile_cli import describe_profile, leave_out_lines
+from bastion_sglang.calibration.runner_measurement import SglangMeasurement
+from bastion_sglang.calibration.store import ProfileStore
+from bastion_sglang.calibration.sweep import (
+    SweepSettings,
+    context_grid,
+    measure_step_costs,
+    measure_verify_grid,
+    width_grid,
+)
+from bastion_sglang.config import StartupMode
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import ProfileError, ProfileMetadata, save_profile
+from bastion_sglang.controller.roofline import ModelShape, RooflineModel
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+
+logger = logging.getLogger(__name__)
+
+
+QUICK_CONTEXTS = (64, 256, 1024)
+"""Contexts of the quick grid, tokens (cut to what the server holds)."""
+FULL_MAX_CONTEXT = 8192
+"""Largest context of the full grid, tokens (cut to what the server holds)."""
+MIN_GRID_CONTEXT = 64
+"""Smallest context either grid measures, tokens."""
+
+
+@dataclass(frozen=True)
+class StartupSettings:
+    """What one start-up calibration measures: the verify grid and its timing counts, and the acceptance
+    run (prompts, new tokens per prompt, held-out budgets scored)."""
+
+    mode: Literal["quick", "full"]
+    sweep: SweepSettings
+    acceptance: AcceptanceSettings
+
+    @classmethod
+    def for_server(
+        cls, mode: Literal["quick", "full"], planning_widths: Sequence[int], max_context: int, topk: int
+    ) -> StartupSettings:
+        """The grid of `mode` (module docstring) for a server whose verify passes run at `planning_widths`
+        (tokens per request, root included; the widest is the cap) and that holds `max_context` cached
+        tokens besides one widest pass. ValueError when it holds fewer than MIN_GRID_CONTEXT."""
+        if max_context < MIN_GRID_CONTEXT:
+            raise ValueError(
+                f"the server holds {max_context} cached tokens besides a verify pass; start-up calibration "
+                f"needs at least {MIN_GRID_CONTEXT} (raise --max-total-tokens or --context-length)"
+            )
+        cap = max(planning_widths)
+        if mode == "quick":
+            widths = tuple(sorted({w for w in planning_widths if w >= 2} | {2, cap}))
+            contexts = tuple(sorted({min(c, max_context) for c in QUICK_CONTEXTS}))
+            sweep = SweepSettings(widths=widths, contexts=contexts, topk=topk, warmup=1, repeats=3)
+            acceptance = AcceptanceSettings(num_prompts=12, max_new_tokens=32, topk=topk)
+        else:
+            sweep = SweepSettings(
+                widths=width_grid(cap),
+                contexts=context_grid(min(FULL_MAX_CONTEXT, max_context)),
+                topk=topk,
+                warmup=2,
+                repeats=5,
+            )
+            acceptance = AcceptanceSettings(num_prompts=36, max_new_tokens=48, topk=topk)
+        return cls(mode, sweep, acceptance)
+
+
+def needs_startup_calibration(
+    mode: StartupMode,
+    resolved: ResolvedProfile,
+    explicit_profile: bool,
+    plans_on_latency: bool,
+    tp_size: int,
+    drafter_config_hash: str | None,
+) -> str | None:
+    """Why this server calibrates at start-up (module docstring), or None when it does not."""
+    if mode == "off" or explicit_profile or not plans_on_latency or tp_size != 1:
+        return None
+    profile = resolved.profile
+    if profile is None:
+        return "no stored profile matches this runtime"
+    fitted_for = None if profile.acceptance is None else profile.acceptance.drafter_config_hash
+    if fitted_for is not None and drafter_config_hash is not None and fitted_for != drafter_config_hash:
+        return (
+            f"the stored profile {resolved.path} was fitted for drafter config {fitted_for[:12]}, this "
+            f"drafter is {drafter_config_hash[:12]}"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class StartupCalibration:
+    """A starting server's means to calibrate itself (module docstring).
+
+    runner: the target's ModelRunner, its KV pools empty (they are emptied again afterwards). draft_path:
+    the drafter's folder. tokenizer_path: the target tokenizer's folder (chat template of the prompts).
+    planning_widths: the server's verify widths (`graph_buckets.planning_widths`). topk: its K.
+    """
+
+    mode: Literal["quick", "full"]
+    runner: ModelRunner
+    draft_path: str
+    tokenizer_path: str
+    device: torch.device
+    dtype: torch.dtype
+    planning_widths: tuple[int, ...]
+    topk: int
+
+    def settings(self) -> StartupSettings:
+        """The grid and prompts for this server: contexts up to what its KV pool and context length hold
+        besides two widest passes."""
+        cap = max(self.planning_widths)
+        holds = min(
+            int(self.runner.max_total_num_tokens) - 2 * cap - 1,
+            int(self.runner.model_config.context_len) - cap - 1,
+        )
+        return StartupSettings.for_server(self.mode, self.planning_widths, holds, self.topk)
+
+    def run(self, identity: RuntimeIdentity, store: ProfileStore, why: str) -> ResolvedProfile:
+        """Measure, fit, log and store this server's profile; the result as `resolve_latency_profile` gives
+        one (source STARTUP). ProfileError or ValueError when the measurement cannot give one."""
+        from bastion_sglang import sglang_adapter
+
+        sglang_adapter.require(sglang_adapter.MEASUREMENT_INTERNALS)
+        settings = self.settings()
+        started = time.perf_counter()
+        logger.info(
+            "BASTION: start-up calibration (%s) because %s: verify widths %s × contexts %s, %d timed rounds; "
+            "acceptance on %d prompts",
+            self.mode,
+            why,
+            list(settings.sweep.widths),
+            list(settings.sweep.contexts),
+            settings.sweep.repeats,
+            settings.acceptance.num_prompts,
+        )
+        peaks = measure_peaks(self.device, self.dtype, identity.device_name)
+        measurement = SglangMeasurement(
+            self.runner,
+            self.draft_path,
+            device=self.device,
+            dtype=self.dtype,
+            max_width=settings.sweep.widths[-1],
+            owns_runtime=False,
+        )
+        try:
+            shape = ModelShape.from_hf_config(self.runner.model_config.hf_config.to_dict())
+            element_bytes = self.dtype.itemsize
+            samples = measure_verify_grid(measurement, settings.sweep)
+            fitted = LatencyModel(RooflineModel(shape, peaks.hardware_spec(), element_bytes)).fit(samples)
+            steps = measure_step_costs(measurement, settings.sweep, fitted)
+            acceptance = self._acceptance(measurement, settings.acceptance)
+        finally:
+            measurement.close()
+        profile = build_profile(
+            metadata=self._metadata(identity),
+            shape=shape,
+            hardware=peaks.hardware_spec(),
+            bytes_per_element=float(element_bytes),
+            samples=samples,
+            step_costs=steps.costs,
+            max_context=settings.sweep.contexts[-1],
+        )
+        if acceptance is not None:
+            profile = profile.model_copy(
+                update={"acceptance": acceptance.calibration, "acceptance_report": acceptance.report}
+            )
+        path = store.path_for(profile)
+        logger.info("BASTION: start-up calibration done in %.1f s", time.perf_counter() - started)
+        for line in [*describe_profile(profile, path), *leave_out_lines(profile.leave_out)]:
+            logger.info("BASTION: %s", line)
+        try:
+            save_profile(profile, path)
+        except ProfileError as error:
+            logger.error(
+                "BASTION: the start-up calibration could not be stored (%s); planning with it now, and this "
+                "server will calibrate again at its next start",
+                error,
+            )
+            return ResolvedProfile(profile, ProfileSource.STARTUP, None, identity, ())
+        logger.info("BASTION: stored the start-up calibration as %s", path)
+        return ResolvedProfile(profile, ProfileSource.STARTUP, path, identity, ())
+
+    def _metadata(self, identity: RuntimeIdentity) -> ProfileMetadata:
+        model_path = identity.model_path or str(self.runner.model_config.model_path)
+        return ProfileMetadata(
+            device_name=identity.device_name,
+            driver_version=driver_version(self.device),
+            cuda_version=torch.version.cuda if self.device.type == "cuda" else None,
+            sglang_version=installed_version("sglang"),
+            engine="sglang",
+            model_path=model_path,
+            model_config_hash=identity.model_config_hash,
+            dtype=identity.dtype,
+            attention_backend=identity.attention_backend,
+            tp_size=identity.tp_size,
+            created_at=now_utc(),
+            made_by=f"startup-{self.mode}",
+        )
+
+    def _acceptance(
+        self, measurement: SglangMeasurement, settings: AcceptanceSettings
+    ) -> AcceptanceResult | None:
+        """The drafter's acceptance calibration from greedy continuations in the server's own forwards, or
+        None (with a warning saying why: no prompts, no tokenizer, too few events to fit)."""
+        try:
+            prompts = self._prompts_that_fit(prompt_token_ids(self.tokenizer_path, settings), settings)
+            eos_ids = set(self.runner.model_config.hf_eos_token_id or ())
+            per_prompt = measurement.greedy_records(prompts, settings.max_new_tokens, settings.topk, eos_ids)
+            result = fit_held_out(per_prompt, model_config_hash(self.draft_path), settings.report_budgets)
+        except (ValueError, OSError) as error:
+            logger.warning(
+                "BASTION: the start-up calibration has no acceptance map (planning with the raw drafter "
+                "probabilities, corrected online): %s",
+                error,
+            )
+            return None
+        for line in describe_acceptance(result.report):
+            logger.info("BASTION: %s", line)
+        return result
+
+    def _prompts_that_fit(self, prompts: list[list[int]], settings: AcceptanceSettings) -> list[list[int]]:
+        """The first prompts whose tokens and continuations the KV pool holds at once (each prompt takes its
+        length plus new tokens plus the drafter's depth). ValueError when fewer than three fit (a third is
+        held out of the fit)."""
+        room = int(self.runner.max_total_num_tokens)
+        chosen: list[list[int]] = []
+        for ids in prompts:
+            room -= len(ids) + settings.max_new_tokens + self.planning_widths[-1]
+            if room < 0:
+                break
+            chosen.append(ids)
+        if len(chosen) < 3:
+            raise ValueError(
+                f"the KV pool ({self.runner.max_total_num_tokens} tokens) holds {len(chosen)} calibration "
+                "prompts at once; at least 3 are needed"
+            )
+        return chosen
