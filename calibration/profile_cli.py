@@ -87,7 +87,7 @@ def describe_profile(profile: CalibrationProfile, path: Path | None) -> list[str
     meta, fit, report, costs = profile.metadata, profile.fit, profile.report, profile.step_costs
     widths = sorted({s.s for s in profile.samples if s.mode == "verify"})
     contexts = sorted({s.c for s in profile.samples if s.mode == "verify"})
-    plot = plot_path_for(path) if path is not None else None
+    plot = plot_path_for(path) if path is not None and meta.made_by == "calibrate" else None  # start-up: none
     hardware = profile.hardware
     lines = [
         f"profile    {path if path is not None else '(not saved)'}",

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -62,7 +63,7 @@ from bastion_sglang.calibration.sweep import (
 )
 from bastion_sglang.config import StartupMode
 from bastion_sglang.controller.latency import LatencyModel
-from bastion_sglang.controller.profile import ProfileError, ProfileMetadata, save_profile
+from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, ProfileMetadata, save_profile
 from bastion_sglang.controller.roofline import ModelShape, RooflineModel
 
 if TYPE_CHECKING:
@@ -219,21 +220,11 @@ class StartupCalibration:
             profile = profile.model_copy(
                 update={"acceptance": acceptance.calibration, "acceptance_report": acceptance.report}
             )
-        path = store.path_for(profile)
         logger.info("BASTION: start-up calibration done in %.1f s", time.perf_counter() - started)
+        path = store.path_for(profile)
         for line in [*describe_profile(profile, path), *leave_out_lines(profile.leave_out)]:
             logger.info("BASTION: %s", line)
-        try:
-            save_profile(profile, path)
-        except ProfileError as error:
-            logger.error(
-                "BASTION: the start-up calibration could not be stored (%s); planning with it now, and this "
-                "server will calibrate again at its next start",
-                error,
-            )
-            return ResolvedProfile(profile, ProfileSource.STARTUP, None, identity, ())
-        logger.info("BASTION: stored the start-up calibration as %s", path)
-        return ResolvedProfile(profile, ProfileSource.STARTUP, path, identity, ())
+        return ResolvedProfile(profile, ProfileSource.STARTUP, store_profile(profile, path), identity, ())
 
     def _metadata(self, identity: RuntimeIdentity) -> ProfileMetadata:
         model_path = identity.model_path or str(self.runner.model_config.model_path)
@@ -290,3 +281,19 @@ class StartupCalibration:
                 "prompts at once; at least 3 are needed"
             )
         return chosen
+
+
+def store_profile(profile: CalibrationProfile, path: Path) -> Path | None:
+    """Write a start-up profile to `path` of the store; the path, or None with an error logged that names
+    the file and says the server plans with the profile anyway and calibrates again at its next start."""
+    try:
+        save_profile(profile, path)
+    except ProfileError as error:
+        logger.error(
+            "BASTION: the start-up calibration could not be stored (%s); planning with it now, and this "
+            "server will calibrate again at its next start",
+            error,
+        )
+        return None
+    logger.info("BASTION: stored the start-up calibration as %s", path)
+    return path

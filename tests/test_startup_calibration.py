@@ -1,0 +1,132 @@
+"""When a server calibrates itself at start-up, on what grid, where the result goes, and the flag that asks
+for it (CPU, fast; the server that does it: test_startup_calibration_engine.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pytest
+from calibration_profiles import IDENTITY, make_profile
+
+from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
+from bastion_sglang.calibration.profile_cli import describe_profile
+from bastion_sglang.calibration.startup import StartupSettings, needs_startup_calibration, store_profile
+from bastion_sglang.config import STARTUP_CALIBRATION_ENV, BastionConfig, default_startup_calibration
+from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.profile import load_profile
+from bastion_sglang.registration import FLAGS, config_from_namespace, make_config
+
+DRAFTER = "a" * 64
+OTHER_DRAFTER = "b" * 64
+
+
+def resolved(profile_acceptance_for: str | bool | None) -> ResolvedProfile:
+    """A lookup result: False, no profile; else a profile whose acceptance map was fitted for that drafter
+    hash (None: a map with no hash), or True: a profile without any acceptance map."""
+    if profile_acceptance_for is False:
+        return ResolvedProfile(None, ProfileSource.NONE, None, IDENTITY, ())
+    profile = make_profile()
+    if profile_acceptance_for is not True:
+        calibration = AcceptanceCalibration(
+            slopes=[1.0], offsets=[0.0], events=[10], drafter_config_hash=profile_acceptance_for
+        )
+        profile = profile.model_copy(update={"acceptance": calibration})
+    return ResolvedProfile(profile, ProfileSource.STORE, Path("stored.json"), IDENTITY, ())
+
+
+@pytest.mark.parametrize(
+    ("mode", "found", "explicit", "plans", "tp", "calibrates"),
+    [
+        ("quick", False, False, True, 1, True),  # nothing stored
+        ("full", False, False, True, 1, True),
+        ("off", False, False, True, 1, False),  # the operator said no
+        ("quick", False, True, True, 1, False),  # an explicit --bastion-profile is the operator's choice
+        ("quick", False, False, False, 1, False),  # fixed / chain never read the latency model
+        ("quick", False, False, True, 2, False),  # the sweep times one rank
+        ("quick", DRAFTER, False, True, 1, False),  # stored, fitted for this drafter: reused
+        ("quick", OTHER_DRAFTER, False, True, 1, True),  # fitted for another drafter
+        ("quick", None, False, True, 1, False),  # a map whose drafter is unknown is taken as it is
+        ("quick", True, False, True, 1, False),  # stored without acceptance (calibrate --no-acceptance)
+    ],
+)
+def test_when_a_server_calibrates_at_start_up(
+    mode: str, found: str | bool | None, explicit: bool, plans: bool, tp: int, calibrates: bool
+) -> None:
+    why = needs_startup_calibration(mode, resolved(found), explicit, plans, tp, DRAFTER)  # type: ignore[arg-type]
+    assert (why is not None) == calibrates
+    if found == OTHER_DRAFTER:
+        assert why is not None and OTHER_DRAFTER[:12] in why and DRAFTER[:12] in why
+
+
+def test_quick_grid_is_the_servers_widths_at_three_contexts() -> None:
+    settings = StartupSettings.for_server("quick", (4, 2, 8, 16, 32, 64, 65), max_context=8000, topk=8)
+    assert settings.sweep.widths == (2, 4, 8, 16, 32, 64, 65)
+    assert settings.sweep.contexts == (64, 256, 1024)
+    assert (settings.sweep.warmup, settings.sweep.repeats) == (1, 3)
+    assert settings.acceptance.num_prompts == 12 and settings.acceptance.topk == 8
+
+
+def test_quick_grid_keeps_within_what_the_server_holds() -> None:
+    settings = StartupSettings.for_server("quick", (9,), max_context=300, topk=4)
+    assert settings.sweep.widths == (2, 9)  # one node, and the cap
+    assert settings.sweep.contexts == (64, 256, 300)
+
+
+def test_full_grid_is_calibrates_grid_up_to_the_cap() -> None:
+    settings = StartupSettings.for_server("full", (2, 4, 8, 16, 17), max_context=5000, topk=8)
+    assert settings.sweep.widths == (2, 3, 4, 6, 8, 12, 16, 17)
+    assert settings.sweep.contexts == (64, 128, 256, 512, 1024, 2048, 4096, 5000)
+    assert settings.acceptance.num_prompts == 36
+
+
+def test_a_server_too_small_for_any_grid_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"holds 40 cached tokens.*--max-total-tokens"):
+        StartupSettings.for_server("quick", (2, 4), max_context=40, topk=4)
+
+
+def test_a_store_that_cannot_be_written_is_an_error_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the store's folder should be")
+    profile = make_profile(made_by="startup-quick")
+    with caplog.at_level(logging.ERROR):
+        assert store_profile(profile, blocker / "profile.json") is None
+    assert str(blocker) in caplog.text and "calibrate again at its next start" in caplog.text
+
+
+def test_a_stored_start_up_profile_says_how_it_was_made(tmp_path: Path) -> None:
+    path = store_profile(make_profile(made_by="startup-quick"), tmp_path / "store" / "p.json")
+    assert path is not None
+    profile = load_profile(path)
+    assert profile.metadata.made_by == "startup-quick"
+    lines = describe_profile(profile, path)
+    assert any("quick start-up calibration" in line for line in lines)
+    assert not any(line.startswith("plot") for line in lines)  # only bastion calibrate draws one
+    assert make_profile().metadata.made_by == "calibrate"  # profiles written before the field say so too
+
+
+def test_the_flag_sets_the_mode_and_refuses_others() -> None:
+    parser = argparse.ArgumentParser()
+    flag = next(flag for flag in FLAGS if flag.flag == "--bastion-startup-calibration")
+    parser.add_argument(flag.flag, dest=flag.dest, type=flag.type, default=None)
+    config = config_from_namespace(parser.parse_args(["--bastion-startup-calibration", "FULL"]))
+    assert config is not None and config.startup_calibration == "full"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--bastion-startup-calibration", "sometimes"])
+    with pytest.raises(ValueError, match="startup_calibration must be one of off, quick, full"):
+        BastionConfig(startup_calibration="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_default_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(STARTUP_CALIBRATION_ENV, raising=False)
+    assert default_startup_calibration() == "quick"
+    assert BastionConfig().startup_calibration == "quick" and make_config().startup_calibration == "quick"
+    monkeypatch.setenv(STARTUP_CALIBRATION_ENV, "off")
+    assert BastionConfig().startup_calibration == "off" and make_config().startup_calibration == "off"
+    assert make_config(startup_calibration="full").startup_calibration == "full"
+    monkeypatch.setenv(STARTUP_CALIBRATION_ENV, "later")
+    with pytest.raises(ValueError, match=r"\$BASTION_STARTUP_CALIBRATION='later'"):
+        BastionConfig()
