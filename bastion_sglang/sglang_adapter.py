@@ -570,6 +570,25 @@ REGISTRATION_HOOKS: tuple[Internal, ...] = (
 """Targets `registration.register_algorithm` hooks (SGLang's HookRegistry skips a missing one with a log
 line, so a moved target would silently drop a BASTION feature)."""
 
+PREPARE_FOR_DECODE = Internal(_BATCH, "ScheduleBatch", "prepare_for_decode")
+RUN_BATCH = Internal("sglang.srt.managers.scheduler", "Scheduler", "run_batch")
+PROCESS_BATCH_RESULT = Internal("sglang.srt.managers.scheduler", "Scheduler", "process_batch_result")
+TP_WORKER_STEP = Internal("sglang.srt.managers.tp_worker", "TpModelWorker", "forward_batch_generation")
+INIT_FORWARD_BATCH = Internal(_FORWARD, "ForwardBatch", "init_new")
+MODEL_FORWARD = Internal(_RUNNER, "ModelRunner", "forward")
+MODEL_SAMPLE = Internal(_RUNNER, "ModelRunner", "sample")
+STEP_ANATOMY_HOOKS: tuple[Internal, ...] = (
+    PREPARE_FOR_DECODE,
+    RUN_BATCH,
+    PROCESS_BATCH_RESULT,
+    TP_WORKER_STEP,
+    INIT_FORWARD_BATCH,
+    MODEL_FORWARD,
+    MODEL_SAMPLE,
+)
+"""Targets `step_anatomy_hooks` hooks in a scheduler process that `bastion step-anatomy` started; checked by
+`require` when it installs them (a measurement, so not at import)."""
+
 MEASUREMENT_INTERNALS: tuple[Internal, ...] = (
     *_internals("sglang.srt.arg_groups.overrides", "resolving_view"),
     *_internals("sglang.srt.configs.model_config", "ModelConfig"),

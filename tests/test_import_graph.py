@@ -141,7 +141,11 @@ _P = "bastion_sglang"
 FLOORS: tuple[Floor, ...] = (
     Floor("controller", _under(f"{_P}.controller"), sglang=False),
     Floor("kernels", _under(f"{_P}.kernels"), sglang=False),
-    Floor("config", (f"{_P}.config", f"{_P}.timing", f"{_P}.drafter_config"), sglang=False),
+    Floor(
+        "config",
+        (f"{_P}.config", f"{_P}.timing", f"{_P}.drafter_config", f"{_P}.step_anatomy"),
+        sglang=False,
+    ),
     Floor(
         "calibration store and lookup",
         (
@@ -199,7 +203,7 @@ FLOORS: tuple[Floor, ...] = (
         ),
         sglang=True,
     ),
-    Floor("registration", (_P, f"{_P}.registration"), sglang=True),
+    Floor("registration", (_P, f"{_P}.registration", f"{_P}.step_anatomy_hooks"), sglang=True),
     Floor(
         "commands",
         (
