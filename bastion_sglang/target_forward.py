@@ -9,6 +9,7 @@ drafter's features) and return SGLang's `GenerationBatchResult`.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,15 @@ class TargetForward:
         sgl.add_graph_usage(
             worker, "target_verify", self._graphs.extra_memory_gb, self._graphs.capture_seconds
         )
+
+    def verify_graph(self, width: int) -> AbstractContextManager[None]:
+        """Within the block, a one-request verify pass of exactly `width` tokens runs as a decode step runs
+        it: through the graph captured at `width`, else eagerly (a width between buckets would be padded,
+        which a measurement of `width` must not be). For the start-up calibration's timings."""
+        shape = self._graphs.shape_for(width, 1)
+        if shape.width != width:
+            return nullcontext()
+        return self._graphs.installed(self._worker.target_worker.model_runner, shape)
 
     @property
     def runs_plain_decode(self) -> bool:

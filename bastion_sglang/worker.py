@@ -36,6 +36,12 @@ from bastion_sglang.graph_buckets import planning_widths, real_rows
 from bastion_sglang.metrics import BastionMetrics, scheduler_metric_labels
 from bastion_sglang.planning_setup import worker_step_controller
 from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
+from bastion_sglang.request_outputs import (
+    attach_prefill_hidden_states,
+    attach_sampling_masks,
+    attach_step_hidden_states,
+    capture_final_hidden_states,
+)
 from bastion_sglang.sglang_adapter import (
     DFlashWorkerV2,
     GenerationBatchResult,
@@ -75,6 +81,7 @@ class BastionWorker(DFlashWorkerV2):
         block_size = int(get_spec().speculative_dflash_block_size)  # resolved by handle_server_args
         self.block_size = block_size
         self._reserve = 2 * max(block_size, config.verify_width_cap)
+        capture_final_hidden_states(self)  # before the target's graphs are captured
         vocab_size = int(self.model_runner.model_config.vocab_size)
         self._acceptor = Acceptor(vocab_size, str(get_exec().kernel.sampling_backend))
         group = scheduler_group()  # None with one TP rank
@@ -145,6 +152,7 @@ class BastionWorker(DFlashWorkerV2):
             dtype=runner.model_config.dtype,
             planning_widths=(*config.width_buckets, config.verify_width_cap),
             topk=config.topk,
+            verify_context=self._target.verify_graph,
         )
 
     def _maybe_build_draft_sampler(self) -> None:
@@ -167,6 +175,7 @@ class BastionWorker(DFlashWorkerV2):
             self._controller.after_prefill()
             self._context.write_held()
             result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+            attach_prefill_hidden_states(batch, result.logits_output)
             prefill_tokens = result.next_token_ids.to(torch.int64)
             self._acceptor.recent_outputs.record(
                 batch.reqs, prefill_tokens[:, None], torch.ones_like(prefill_tokens)
@@ -268,9 +277,10 @@ class BastionWorker(DFlashWorkerV2):
             logits = real_rows(logits_output.next_token_logits, bs, 1)[:, : self._acceptor.vocab_size]
             logits = logits.contiguous()  # [B, V]: the in-place adjustments land in the tensor sampled
             row_logits = RowLogits(inputs.roots[:, None], None, grammar_tree, inputs.grammar_barrier)
-            targets = self._acceptor.root_targets(
+            root_targets = self._acceptor.root_targets(
                 batch, logits, row_logits, step.contexts, inputs.seeds, inputs.prefix
             )
+            targets = root_targets.tokens
             commit_lens = torch.ones_like(targets, dtype=torch.int32)  # [B] one token each
             new_seq_lens = inputs.prefix + 1
         if inputs.on_publish is not None:
@@ -278,7 +288,10 @@ class BastionWorker(DFlashWorkerV2):
         with timer.stage("commit"):
             hidden = real_rows(logits_output.hidden_states, bs, 1)
             self._context.defer(batch, ContextRows(hidden.clone(), slots, inputs.prefix))
-            logits_output.hidden_states = None
+            attach_step_hidden_states(batch, logits_output, bs, 1, None)
+            attach_sampling_masks(
+                batch, logits_output, root_targets.target_probs, targets[:, None], None, commit_lens
+            )
             if batch.return_logprob:
                 attach_logprobs(batch, logits_output, logits, targets[:, None], None)
         record = StepRecord(step.index, [width] * bs, step.contexts, step.l_ar, step.other_seconds, drafted)
@@ -323,7 +336,10 @@ class BastionWorker(DFlashWorkerV2):
                 hidden,
                 accept.commit_lens,
             )
-            logits_output.hidden_states = None
+            attach_step_hidden_states(batch, logits_output, bs, width, accept.order)
+            attach_sampling_masks(
+                batch, logits_output, accept.target_probs, accept.out_tokens, accept.order, accept.commit_lens
+            )
             if batch.return_logprob:
                 attach_logprobs(batch, logits_output, logits, accept.out_tokens, accept.order)
         plan = planned.plan

@@ -17,7 +17,8 @@ server's own (`startup`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,14 +53,18 @@ class SglangMeasurement:
         dtype: torch.dtype,
         max_width: int,
         owns_runtime: bool,
+        verify_context: Callable[[int], AbstractContextManager[None]] | None = None,
     ) -> None:
         """Measure on `runner`, a target ModelRunner of a BASTION deployment whose KV pools hold nothing else
         while the measurement runs (`open` builds one; a starting server passes its own). owns_runtime:
-        whether `close` tears SGLang's process groups down (True) or only empties the KV pools (False)."""
+        whether `close` tears SGLang's process groups down (True) or only empties the KV pools (False).
+        verify_context: given a verify width, the context its pass runs in (a serving worker's captured graph
+        of that width, `TargetForward.verify_graph`); None: every pass eagerly."""
         self._runner = runner
         self._device = torch.device(device)
         self._max_width = max_width
         self._owns_runtime = owns_runtime
+        self._verify_context = verify_context or (lambda width: nullcontext())
         self._vocab = int(runner.model_config.vocab_size)
         self._batch: ScheduleBatch | None = None
         self._context = 0
@@ -131,10 +136,11 @@ class SglangMeasurement:
         batch = self._require_batch()
         mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._context)
         slots = self._slots[None, : rows.width]  # [1, W]
-        forward_batch, _ = prepare_verify_forward(
-            batch, self._runner, rows.tokens, layout.positions, mask, slots, self._prefix_cpu
-        )
-        self._runner.forward(forward_batch)
+        with self._verify_context(rows.width):
+            forward_batch, _ = prepare_verify_forward(
+                batch, self._runner, rows.tokens, layout.positions, mask, slots, self._prefix_cpu
+            )
+            self._runner.forward(forward_batch)
 
     @torch.no_grad()
     def decode(self) -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -149,7 +150,9 @@ class StartupCalibration:
 
     runner: the target's ModelRunner, its KV pools empty (they are emptied again afterwards). draft_path:
     the drafter's folder. tokenizer_path: the target tokenizer's folder (chat template of the prompts).
-    planning_widths: the server's verify widths (`graph_buckets.planning_widths`). topk: its K.
+    planning_widths: the server's width buckets and its cap (tokens per request, root included). topk: K.
+    verify_context: the context a verify pass of a given width runs in, the server's captured graph of that
+    width on CUDA (`TargetForward.verify_graph`); None: eagerly.
     """
 
     mode: Literal["quick", "full"]
@@ -160,6 +163,7 @@ class StartupCalibration:
     dtype: torch.dtype
     planning_widths: tuple[int, ...]
     topk: int
+    verify_context: Callable[[int], AbstractContextManager[None]] | None = None
 
     def settings(self) -> StartupSettings:
         """The grid and prompts for this server: contexts up to what its KV pool and context length hold
@@ -197,6 +201,7 @@ class StartupCalibration:
             dtype=self.dtype,
             max_width=settings.sweep.widths[-1],
             owns_runtime=False,
+            verify_context=self.verify_context,
         )
         try:
             shape = ModelShape.from_hf_config(self.runner.model_config.hf_config.to_dict())
