@@ -347,6 +347,36 @@ def demo_pair(commit: str, sizes: Sizes, concurrency: int, half: str) -> Item:
     return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
 
 
+STARTUP_CALIBRATE_S = 300
+"""`bastion calibrate --engine sglang` of the demo pair on the GPU (7 widths × 7 contexts, 5 repeats) with its
+acceptance run on 24 prompts, then `benchmarks/startup_calibration.py`: three Engine starts and the held-out
+acceptance decode on the reference engine."""
+
+
+def demo_startup_calibration(commit: str, sizes: Sizes) -> Item:
+    """The server's start-up calibration on the GPU against `bastion calibrate` of the same pair: seconds
+    added to the start, latency MAPE on calibrate's grid, acceptance on held-out prompts."""
+    name = "demo-startup-calibration"
+    calibrate = (
+        f"{CALIBRATE} --engine sglang --device cuda --model-path {DEMO_TARGET} --draft-model-path "
+        f"{DEMO_DRAFTER} --dtype float32 --widths 2 4 8 16 32 64 65 --max-context 4096 --repeats 5 "
+        "--acceptance-num-prompts 24 --out $RESULTS/calibrate.json"
+    )
+    startup = (
+        f"python3 benchmarks/startup_calibration.py --calibrate-profile $RESULTS/calibrate.json "
+        f"--model-path {DEMO_TARGET} --draft-model-path {DEMO_DRAFTER} --out $RESULTS/startup.json"
+    )
+    needs = (DEMO_DRAFTER, "benchmarks/startup_calibration.py")
+    commands = _setup_commands(
+        name, commit, sizes, f"{calibrate} && {startup}", STARTUP_CALIBRATE_S, needs, demo_target=True
+    )
+    title = (
+        "start-up calibration of the demo pair in SGLang on the GPU (captured verify graphs) against "
+        "bastion calibrate: seconds added to the start, latency MAPE on calibrate's grid, acceptance"
+    )
+    return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
+
+
 QWEN3_8B_DUMMY = f"--model-path {QWEN3_8B_CONFIG} --load-format dummy"
 MAKE_DRAFTER = (
     f"python3 benchmarks/calibrate_gpu.py --make-drafter {QWEN3_8B_DRAFTER} --target-config {QWEN3_8B_CONFIG}"
@@ -488,6 +518,7 @@ def all_items(commit: str, sizes: Sizes) -> tuple[Item, ...]:
     return (
         sglang_cuda(commit, sizes),
         *(demo_pair(commit, sizes, c, half) for c in CONCURRENCIES for half in ("a", "b")),
+        demo_startup_calibration(commit, sizes),
         *(qwen3_8b_dummy(commit, sizes, part) for part in ("calibrate", "anatomy-c1-c8", "anatomy-c32")),
         qwen3_8b_synthetic(commit, sizes),
         controller_bench(commit, sizes),
