@@ -44,6 +44,17 @@ class TreeAccept:
     out_tokens: torch.Tensor  # [B, W] int64: accepted draft tokens, the bonus, then zeros
     commit_lens: torch.Tensor  # [B] int32: tokens emitted (accepted + 1)
     bonus_tokens: torch.Tensor  # [B] int64: the next roots
+    # [B, W, V] float32 weights of the processed distribution after each row (None: every request greedy)
+    target_probs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RootTargets:
+    """What a width-1 step commits: the target's token after each root."""
+
+    tokens: torch.Tensor  # [B] int64
+    # [B, 1, V] float32 weights of the processed distribution each token was drawn from (None: all greedy)
+    target_probs: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -123,10 +134,9 @@ class Acceptor:
         contexts: list[int],
         seeds: torch.Tensor,
         prefix: torch.Tensor,
-    ) -> torch.Tensor:
-        """The target's token after each root of a width-1 step: [B] int64, recorded as the step's output.
-        logits: [B, V] the roots' logits (processed here, in place); seeds: [B]; prefix: [B] committed
-        lengths."""
+    ) -> RootTargets:
+        """The target's token after each root of a width-1 step, recorded as the step's output. logits:
+        [B, V] the roots' logits (processed here, in place); seeds: [B]; prefix: [B] committed lengths."""
         self.process_logits(batch, logits, rows, contexts)
         positions = (prefix + 1)[:, None]  # [B, 1] the position of each target token
         probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, positions)
@@ -135,7 +145,7 @@ class Acceptor:
         else:
             targets = kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
         self.recent_outputs.record(batch.reqs, targets[:, None], torch.ones_like(targets, dtype=torch.int32))
-        return targets
+        return RootTargets(targets, probs)
 
     def walk(
         self,
@@ -163,4 +173,4 @@ class Acceptor:
         out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
         commit_lens = (accept.accept_length + 1).to(torch.int32)
         self.recent_outputs.record(batch.reqs, out_tokens, commit_lens)
-        return TreeAccept(order, out_tokens, commit_lens, accept.bonus_tokens)
+        return TreeAccept(order, out_tokens, commit_lens, accept.bonus_tokens, probs)

@@ -8,9 +8,7 @@ also refuses what its tree step would otherwise silently change:
 - `custom_logit_processor`: SGLang calls it once per request per step, after the output so far; a tree
   step verifies many positions of a request in one pass, and a processor's result may depend on the
   position or the request's state (it receives the request), which BASTION cannot replay per node;
-- `return_hidden_states`: the verify pass's hidden states are those of the whole tree, not of the output;
 - `watermark`: SGLang's watermark biases its own sampler's candidates, which the sampling walk bypasses;
-- `return_sampling_mask`: SGLang records the sampler's support per sampled token, which the walk does not;
 - `beam_width` > 1: beam search replaces decoding, speculation does not apply to it;
 - `ignore_eos` with a grammar (`json_schema`, `regex`, `ebnf`, `structural_tag`): once the grammar is
   complete it admits only EOS, which `ignore_eos` forbids; SGLang then emits one token outside the grammar
@@ -20,6 +18,9 @@ Every field a refusal reads is declared in `sglang_adapter.REQUEST_FIELDS` (chec
 SGLang when the adapter is imported, which importing this module does) and read directly, never through a
 default: a field SGLang renames is named by that check, and reading it raises, so a refusal never turns off
 silently.
+
+`return_hidden_states` and `return_sampling_mask` are served (`request_outputs`), under SGLang's own rules for
+the DFlash family: no hidden states under overlap scheduling, no sampling masks with min_p.
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ def unsupported_parameter(req: Req) -> str | None:
     params = req.sampling_params
     refusals = (
         (req.custom_logit_processor is not None, "custom_logit_processor", "it may depend on the position"),
-        (bool(req.return_hidden_states), "return_hidden_states", "verify passes hold tree states"),
         (params.watermark is not None, "watermark", "the tree sampler bypasses it"),
-        (bool(req.return_sampling_mask), "return_sampling_mask", "not recorded"),
         ((params.beam_width or 1) > 1, "beam_width", "beam search is not speculative"),
         (
             bool(params.ignore_eos) and _has_grammar(params),

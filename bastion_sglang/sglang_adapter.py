@@ -130,7 +130,11 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
         "target_worker",
     ),
     *_members(
-        "sglang.srt.layers.logits_processor", "LogitsProcessor", "is_deferred_shard", "finish_deferred_gather"
+        "sglang.srt.layers.logits_processor",
+        "LogitsProcessor",
+        "is_deferred_shard",
+        "finish_deferred_gather",
+        "keep_last_hidden_states",
     ),
     *_members(
         _RUNNER,
@@ -145,6 +149,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals("sglang.srt.layers.dp_attention", "get_dp_tp_group"),
     *_internals("sglang.srt.managers.utils", "GenerationBatchResult"),
     *_internals(_FORWARD, "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "enable_num_token_non_padded"),
+    *_internals(_FORWARD, "get_server_return_hidden_states_mode"),
     *_members(_FORWARD, "ForwardBatch", "init_new", "mark_forward_metadata_ready"),
     *_internals(_RUNTIME, "get_context", "get_disagg", "get_exec", "get_observability"),
     *_internals(_RUNTIME, "get_parallel", "get_schedule", "get_serving", "get_spec"),
@@ -153,6 +158,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals(
         "sglang.srt.speculative.spec_utils", "GrammarTree", "build_grammar_vocab_mask", "draft_tp_context"
     ),
+    *_internals("sglang.srt.speculative.spec_sampling_mask", "SpeculativeSamplingMaskCapture"),
     *_internals("sglang.srt.mem_cache.allocation", "alloc_for_spec_decode"),
     *_internals("sglang.srt.mem_cache.allocation_sizing", "page_aligned_decode_alloc_lens"),
     *_internals("sglang.srt.mem_cache.memory_pool", "KVWriteLoc"),
@@ -200,6 +206,9 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
         "need_min_p_sampling",
         "is_all_greedy",
         "logit_bias",
+        "sampling_mask_batch_indices",
+        "sampling_mask_top_ks",
+        "sampling_support_logprobs_capture_indices",
     ),
 )
 """What the serving glue uses; checked when this module is imported."""
@@ -234,6 +243,9 @@ STATE_INTERNALS: tuple[Internal, ...] = (
         "is_extend_in_batch",
         "has_grammar",
         "return_logprob",
+        "return_hidden_states",
+        "return_hidden_states_mode",
+        "extend_lens",
         "sampling_info",
     ),
     *_members(
@@ -388,7 +400,7 @@ FORWARD_INTERNALS: tuple[Internal, ...] = (
     ),
     _call(_FORWARD, "ForwardBatch", "init_new", "capture_hidden_mode", "return_hidden_states_before_norm"),
     *_members(_FORWARD, "ForwardMode", "DECODE", "TARGET_VERIFY", "is_extend", "is_target_verify"),
-    *_members(_FORWARD, "CaptureHiddenMode", "FULL", "NULL"),
+    *_members(_FORWARD, "CaptureHiddenMode", "FULL", "NULL", "need_capture", "is_last"),
     *_members("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "DFLASH"),
     *_members("sglang.srt.speculative.spec_info", "SpecInputType", "DFLASH_DRAFT", "DFLASH_VERIFY"),
     *_members(
@@ -412,7 +424,28 @@ FORWARD_INTERNALS: tuple[Internal, ...] = (
         "new_seq_lens",
     ),
     *_members(
-        "sglang.srt.layers.logits_processor", "LogitsProcessorOutput", "next_token_logits", "hidden_states"
+        "sglang.srt.layers.logits_processor",
+        "LogitsProcessorOutput",
+        "next_token_logits",
+        "hidden_states",
+        "last_hidden_states",
+        "sampling_mask_output",
+    ),
+    _call(
+        "sglang.srt.speculative.spec_sampling_mask",
+        "SpeculativeSamplingMaskCapture",
+        None,
+        "target_probs",
+        "batch_indices",
+        "max_top_k",
+        "support_capture_indices",
+    ),
+    _call(
+        "sglang.srt.speculative.spec_sampling_mask",
+        "SpeculativeSamplingMaskCapture",
+        "build_output",
+        "out_tokens",
+        "commit_lens",
     ),
     _call("sglang.srt.layers.logprob_processor", "compute_spec_logprobs", None, "chain_stride"),
     _call(
@@ -504,8 +537,6 @@ REQUEST_FIELDS: tuple[Internal, ...] = (
         "Req",
         "sampling_params",
         "custom_logit_processor",
-        "return_hidden_states",
-        "return_sampling_mask",
     ),
     *_members(
         _SAMPLING_PARAMS,
@@ -748,6 +779,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     enable_num_token_non_padded,
+    get_server_return_hidden_states_mode,
 )
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -768,6 +800,7 @@ from sglang.srt.speculative.dflash_worker_v2 import (
 )
 from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType, SpeculativeAlgorithm
+from sglang.srt.speculative.spec_sampling_mask import SpeculativeSamplingMaskCapture
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask, draft_tp_context
 from sglang.srt.utils import get_available_gpu_memory
 
@@ -793,6 +826,7 @@ __all__ = [
     "SpecInput",
     "SpecInputType",
     "SpeculativeAlgorithm",
+    "SpeculativeSamplingMaskCapture",
     "add_draft_attention_backend_choices",
     "alloc_for_spec_decode",
     "build_grammar_vocab_mask",
@@ -808,6 +842,7 @@ __all__ = [
     "get_observability",
     "get_parallel",
     "get_schedule",
+    "get_server_return_hidden_states_mode",
     "get_serving",
     "get_spec",
     "make_draft_block_spec_info",
@@ -846,6 +881,20 @@ def gathered_verify_logits(worker: DFlashWorkerV2, logits: torch.Tensor) -> torc
     if processor is not None and processor.is_deferred_shard(logits):
         return processor.finish_deferred_gather(logits)
     return logits
+
+
+def keep_final_hidden_states(worker: DFlashWorkerV2) -> None:
+    """Make the target's logits processor return, beside the drafter's aux hidden states, its final-norm
+    hidden states of every position of a pass captured in full (`LogitsProcessorOutput.last_hidden_states`,
+    a reference to the tensor the LM head reads: no copy). Call before the target's graphs are captured.
+    Raises ValueError when the target has several logits processors (DFlash then finds none)."""
+    processor = worker._target_logits_processor
+    if processor is None:
+        raise ValueError(
+            "--speculative-algorithm BASTION returns hidden states only for a target with one logits "
+            "processor; start this server without --enable-return-hidden-states / --return-hidden-states-mode"
+        )
+    processor.keep_last_hidden_states = True
 
 
 def add_graph_usage(worker: DFlashWorkerV2, name: str, memory_gb: float, seconds: float) -> None:

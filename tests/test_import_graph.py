@@ -188,6 +188,7 @@ FLOORS: tuple[Floor, ...] = (
                 "cpu_support",
                 "metrics",
                 "request_support",
+                "request_outputs",
                 "request_penalties",
                 "rank_sync",
                 "drafter_forward",

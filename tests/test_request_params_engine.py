@@ -15,9 +15,10 @@ BASTION runs without overlap and matches that run. One reference Engine, then on
 - stop strings with penalties (a batch of 4, the stop cut from the reference's penalised texts);
 - structured outputs: json_schema and regex (a batch of 4, two with penalties), and on each BASTION Engine
   the same grammars sampled at T = 0.8 (seeded, a batch of 4): every output completes its grammar.
-Parameters BASTION cannot honour exactly (return_hidden_states, custom_logit_processor) are refused per
-request with SGLang's error (a ValueError naming the parameter from `Engine.generate`), and the Engine
-keeps serving: the next request equals the reference.
+A parameter BASTION cannot honour exactly (custom_logit_processor) is refused per request with SGLang's
+error (a ValueError naming the parameter from `Engine.generate`), and the Engine keeps serving: the next
+request equals the reference. The BASTION Engines allow hidden states (`--enable-return-hidden-states`, which
+makes the target keep its final-norm states), so these equalities also hold with that switch on.
 """
 
 from __future__ import annotations
@@ -200,10 +201,9 @@ POLICIES = ("chain", "fixed:6", "adaptive")
 
 
 REFUSED = {
-    "return_hidden_states": {"return_hidden_states": True},
     "custom_logit_processor": {"custom_logit_processor": DisallowedTokensLogitsProcessor.to_str()},
 }
-"""Engine.generate keyword arguments per refused parameter (the Engine enables both features)."""
+"""Engine.generate keyword arguments per refused parameter (the Engine enables the feature)."""
 REFUSED_PARAMS = dict(GREEDY, max_new_tokens=4, custom_params={"token_ids": [5]})
 """The refused requests' sampling parameters (SGLang still prefills an aborted request, and the
 processor needs its custom_params there)."""

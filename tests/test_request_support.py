@@ -21,7 +21,7 @@ def fake_req(**fields: Any) -> SimpleNamespace:
         **{name: fields.pop(name, None) for name in ("watermark", "beam_width", *GRAMMAR_FIELDS)},
         ignore_eos=fields.pop("ignore_eos", False),
     )
-    defaults = dict(custom_logit_processor=None, return_hidden_states=False, return_sampling_mask=False)
+    defaults = dict(custom_logit_processor=None)
     return SimpleNamespace(sampling_params=params, **(defaults | fields))
 
 
@@ -33,13 +33,17 @@ def test_plain_requests_pass() -> None:
         assert unsupported_parameter(fake_req(**{name: "x"})) is None
 
 
+@pytest.mark.parametrize("fields", [{"return_hidden_states": True}, {"return_sampling_mask": True}])
+def test_hidden_states_and_sampling_masks_are_served(fields: dict[str, Any]) -> None:
+    """BASTION returns both (`request_outputs`); SGLang's own checks for the DFlash family still apply."""
+    assert unsupported_parameter(fake_req(**fields)) is None
+
+
 @pytest.mark.parametrize(
     ("name", "fields"),
     [
         ("custom_logit_processor", {"custom_logit_processor": "{}"}),
-        ("return_hidden_states", {"return_hidden_states": True}),
         ("watermark", {"watermark": {"key": 1}}),
-        ("return_sampling_mask", {"return_sampling_mask": True}),
         ("beam_width", {"beam_width": 4}),
         *(("ignore_eos with a grammar", {"ignore_eos": True, name: "x"}) for name in GRAMMAR_FIELDS),
     ],
