@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",
     "bench": "bastion_sglang.bench.cli",
+    "step-anatomy": "bastion_sglang.bench.anatomy_cli",
 }
 
 

@@ -113,7 +113,9 @@ class StepCounts(BaseModel):
     kind: StepKind
     batch_size: int = Field(ge=1)
     requests: tuple[str, ...] = Field(description="the batch's request ids")
-    stages: dict[str, StageCounts] = Field(description="region name -> its counts (regions run only)")
+    stages: dict[str, StageCounts] = Field(
+        description="region name -> its counts: every region the step entered, and `OUTSIDE` when it counted"
+    )
     forwards: dict[str, int] = Field(
         description="model forwards run in the step by role (target, drafter); their ops are not counted"
     )
@@ -237,6 +239,7 @@ class StepAnatomy:
             yield
             return
         self._regions.append((name, level))
+        self._step.stages.setdefault(name, StageCounts())  # a region that ran shows, if only with zeros
         try:
             yield
         finally:

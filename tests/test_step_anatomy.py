@@ -306,6 +306,7 @@ def test_hooks_name_each_step_kind_and_count_its_regions() -> None:
     plain, skipped, declined, speculative = records
     assert ops_and_syncs(plain) == {
         "schedule": (1, 0),
+        "run": (0, 0),  # entered, and nothing issued outside the worker: a region that ran shows
         "prepare": (1, 0),
         "worker": (1, 0),
         "sample": (1, 0),
@@ -314,6 +315,7 @@ def test_hooks_name_each_step_kind_and_count_its_regions() -> None:
     assert plain.forwards == {"target": 1}
     shared = {
         "schedule": (1, 0),
+        "run": (0, 0),
         "begin": (0, 1),
         "gate": (1, 0),
         "plan": (1, 0),

@@ -12,7 +12,7 @@ import argparse
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
@@ -269,11 +269,12 @@ def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
     ]
 
 
-def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
+def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str, Any] | None = None) -> Any:
     """The ServerArgs record of `policy`'s Engine (BASTION's config attached as `attach_config` does). Every
     policy's Engine exports metrics (the bench reads BASTION's series), so all of them do the same work, and
     sleeps while idle: SGLang's scheduler otherwise polls for requests without pause, and under the
-    interleaved schedule the waiting Engines would take the CPU from the one being measured."""
+    interleaved schedule the waiting Engines would take the CPU from the one being measured. overrides:
+    further ServerArgs fields, e.g. `bastion step-anatomy`'s `disable_overlap_schedule`."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
@@ -304,7 +305,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy) -> Any:
         )
     elif policy.kind == "dflash":
         kwargs |= dict(speculative_algorithm="DFLASH", speculative_draft_model_path=settings.draft_model_path)
-    server_args = ServerArgs(**kwargs)
+    server_args = ServerArgs(**(kwargs | dict(overrides or {})))
     if policy.kind == "bastion":
         config = make_config(
             max_budget=settings.max_budget, policy=policy.name, overlap=settings.overlap_schedule
