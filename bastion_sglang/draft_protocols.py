@@ -1,9 +1,10 @@
 """The two seams around a drafter, side by side: where draft distributions come from, and how a deployment
 may rewrite them. They have different contracts, so they have different names.
 
-- `DraftSource` (the reference engine, batch 1): produces the drafter's top-k per position. It owns the
-  drafter's state across steps (`start`, then one `propose` per step, fed the target features of the
-  positions committed since). `reference.DFlashProposer` is the DFlash one; tests plug in oracles.
+- `DraftSource` (the reference engine, batch 1): produces the drafter's top-k per position, or a DFlash2
+  drafter's candidate lattice. It owns the drafter's state across steps (`start`, then one `propose` per
+  step, fed the target features of the positions committed since). `reference.DFlashProposer` is the
+  DFlash one, `reference.lattice_proposer.DFlash2Proposer` the DFlash2 one; tests plug in oracles.
 - `DraftLogitsRewriter` (the SGLang worker, a batch of B requests): the drafter has already run through
   SGLang's DFlash draft path; a rewriter maps its logits [B, h, V] (the first h of the D drafted positions,
   h the draft horizon, `controller.horizon`) to logits of the same shape before the top-k, e.g. to steer the
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from bastion_sglang.config import BastionConfig
-from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -47,7 +48,8 @@ class DraftInput:
 
 
 class DraftSource(Protocol):
-    """A source of per-position top-k draft distributions for the next block (the reference engine's)."""
+    """A source of draft distributions for the next block (the reference engine's): per-position top-k, or
+    a lattice of transitions between adjacent positions' candidates."""
 
     @property
     def depth(self) -> int:
@@ -60,8 +62,9 @@ class DraftSource(Protocol):
     def start(self, capacity: int) -> None:
         """Begin a new sequence of at most `capacity` committed positions (drops all state)."""
 
-    def propose(self, draft_input: DraftInput, k: int) -> DraftTopK:
-        """Top-k draft tokens for positions ctx_len + 1 .. ctx_len + D: DraftTopK [1, D, k]."""
+    def propose(self, draft_input: DraftInput, k: int) -> DraftTopK | DraftLattice:
+        """Draft of positions ctx_len + 1 .. ctx_len + D: the top-k tokens, DraftTopK [1, D, k]; or a
+        DraftLattice [1, D, K, K] with the source's own K, whose tree nodes then keep at most k children."""
 
 
 class DraftLogitsRewriter(Protocol):

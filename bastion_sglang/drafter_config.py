@@ -9,6 +9,13 @@ Parsing follows SGLang 0.5.23 (`speculative/dflash_utils.py:parse_dflash_draft_c
 `num_target_layers`, `mask_token_id` and `target_layer_ids` are read from `dflash_config` first, then from
 the top level; a missing `block_size` means 16; missing `target_layer_ids` are spread over the target's
 layers as DFlash does (`default_target_layer_ids`).
+
+DFlash2. A config whose first DFlash architecture is one of `DFLASH2_ARCHITECTURES` is a DFlash2 drafter:
+the DFlash backbone plus SGLang's candidate selector (`SelectorConfig`). SGLang reads its four fields
+(`selector_rank`, `selector_top_k`, `output_multiplier`, `final_logit_softcapping`) from `dflash_config`
+only; each is honoured there, and a different value of one at the top level (which SGLang ignores) is
+refused by name. On any other architecture those fields stay DFlash variants (`variant_features`), as SGLang
+builds its plain `DFlashDraftModel` and bypasses them.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_BLOCK_SIZE = 16
 """Block size SGLang assumes when a drafter config names none."""
@@ -36,6 +43,37 @@ PLAIN_VALUES: dict[str, object] = {
 """Keys of DFlash variants (grouped convolutions, candidate selectors, Domino projectors, attention sinks,
 ...) with the value a plain DFlash drafter has; a value other than that or null makes it a variant
 (`DrafterConfig.variant_features`)."""
+
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+"""SGLang's plain DFlash model class."""
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel")
+"""SGLang 0.5.23's DFlash2 model classes (`srt/models/dflash.py`): one model, three names."""
+SELECTOR_KEYS = ("selector_rank", "selector_top_k", "output_multiplier", "final_logit_softcapping")
+"""The `dflash_config` keys a DFlash2 drafter honours (`SelectorConfig`)."""
+
+
+class SelectorConfig(BaseModel):
+    """A DFlash2 drafter's candidate selector and the transform of its unary logits (SGLang's
+    `DFlashDraftConfig` fields of the same names; `reference.selector` defines the math)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: str = Field(default=DFLASH2_ARCHITECTURES[0], description="one of DFLASH2_ARCHITECTURES")
+    rank: int = Field(gt=0, description="r: columns of the [vocab, r] codebooks and rows of the projection")
+    top_k: int = Field(gt=0, description="K: candidates kept per slot")
+    output_multiplier: float = Field(default=1.0, gt=0, description="factor on the unary logits")
+    final_logit_softcapping: float | None = Field(
+        default=None, gt=0, description="c: unary logits become c·tanh(x / c) after the factor; None: no cap"
+    )
+
+    @model_validator(mode="after")
+    def _known_architecture(self) -> SelectorConfig:
+        if self.architecture not in DFLASH2_ARCHITECTURES:
+            raise ValueError(
+                f"selector architecture {self.architecture!r} is not one of {list(DFLASH2_ARCHITECTURES)}"
+            )
+        return self
 
 
 class DrafterMismatchError(ValueError):
@@ -91,6 +129,15 @@ class DrafterConfig(BaseModel):
         default=(),
         description="'key=value' of DFlash variant settings (PLAIN_VALUES), sliding layers included",
     )
+    selector: SelectorConfig | None = Field(default=None, description="DFlash2's selector; None: DFlash")
+
+    @model_validator(mode="after")
+    def _selector_fits(self) -> DrafterConfig:
+        if self.selector is not None and self.selector.top_k > self.vocab_size:
+            raise ValueError(
+                f"selector_top_k {self.selector.top_k} exceeds the drafter's vocab_size {self.vocab_size}"
+            )
+        return self
 
     @property
     def num_context_features(self) -> int:
@@ -151,8 +198,12 @@ class DrafterConfig(BaseModel):
         ):
             raise ValueError(f"{where}: target_layer_ids must be a list of ints, got {layer_ids!r}")
         block_size = pick("block_size")
+        selector = _selector(raw, dflash, where)
+        honoured = SELECTOR_KEYS if selector is not None else ()
         variants = [
-            f"{key}={pick(key)!r}" for key, plain in PLAIN_VALUES.items() if pick(key) not in (None, plain)
+            f"{key}={pick(key)!r}"
+            for key, plain in PLAIN_VALUES.items()
+            if key not in honoured and pick(key) not in (None, plain)
         ]
         variants += [
             f"layer_types={t!r}" for t in sorted(set(raw.get("layer_types") or ())) if t != "full_attention"
@@ -175,20 +226,34 @@ class DrafterConfig(BaseModel):
             mask_token_id=int(mask_token_id),
             target_layer_ids=tuple(layer_ids),
             variant_features=tuple(variants),
+            selector=selector,
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The config.json of a z-lab-format checkpoint (DFlash keys under dflash_config)."""
-        return {
-            "architectures": ["DFlashDraftModel"],
+        """The config.json of a z-lab-format checkpoint (DFlash keys under dflash_config; a DFlash2
+        drafter names its architecture and adds the selector's four keys there)."""
+        dflash: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        head: dict[str, Any] = {
+            "architectures": [DFLASH_ARCHITECTURE],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        }
+        if self.selector is not None:
+            head = {"architectures": [self.selector.architecture]}
+            dflash |= {
+                "selector_rank": self.selector.rank,
+                "selector_top_k": self.selector.top_k,
+                "output_multiplier": self.selector.output_multiplier,
+                "final_logit_softcapping": self.selector.final_logit_softcapping,
+            }
+        return {
+            **head,
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "block_size": self.block_size,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": dflash,
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "hidden_size": self.hidden_size,
@@ -204,6 +269,56 @@ class DrafterConfig(BaseModel):
             "tie_word_embeddings": False,
             "vocab_size": self.vocab_size,
         }
+
+
+def _selector(raw: Mapping[str, Any], dflash: Mapping[str, Any], where: str) -> SelectorConfig | None:
+    """The selector of a DFlash2 config (module docstring), None for another architecture. ValueError naming
+    the key: a missing or non-positive rank or top_k, a non-positive multiplier, a non-number, or a top-level
+    value of one of SELECTOR_KEYS that differs from what SGLang reads in dflash_config."""
+    architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list | tuple):
+        raise ValueError(f"{where}: architectures must be a list of class names, got {architectures!r}")
+    known = [name for name in architectures if name == DFLASH_ARCHITECTURE or name in DFLASH2_ARCHITECTURES]
+    if not known or known[0] not in DFLASH2_ARCHITECTURES:
+        return None
+
+    def number(key: str, default: float | None) -> float | None:
+        value = dflash.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{where}: dflash_config.{key} must be a number, got {value!r}")
+        return value
+
+    values: dict[str, Any] = {}
+    for key in ("selector_rank", "selector_top_k"):
+        value = number(key, None)
+        if value is None or value != int(value) or value < 1:
+            raise ValueError(
+                f"{where}: architecture {known[0]} needs dflash_config.{key}, a positive integer, "
+                f"got {value!r}"
+            )
+        values[key] = int(value)
+    multiplier = number("output_multiplier", 1.0)
+    if multiplier is None or multiplier <= 0:
+        raise ValueError(f"{where}: dflash_config.output_multiplier must be positive, got {multiplier!r}")
+    values["output_multiplier"] = float(multiplier)
+    softcap = float(number("final_logit_softcapping", None) or 0.0)
+    values["final_logit_softcapping"] = softcap if softcap > 0 else None  # SGLang: <= 0 or null is no cap
+    for key in SELECTOR_KEYS:
+        top = raw.get(key)
+        if key == "final_logit_softcapping" and isinstance(top, int | float) and not isinstance(top, bool):
+            top = float(top) if top > 0 else None
+        if top is not None and top != values[key]:
+            raise ValueError(
+                f"{where}: top-level {key} = {top!r} differs from dflash_config's {values[key]!r}; SGLang "
+                f"reads dflash_config.{key} only, so move the value there or remove the top-level key"
+            )
+    return SelectorConfig(
+        architecture=known[0],
+        rank=values["selector_rank"],
+        top_k=values["selector_top_k"],
+        output_multiplier=values["output_multiplier"],
+        final_logit_softcapping=values["final_logit_softcapping"],
+    )
 
 
 def _read(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:

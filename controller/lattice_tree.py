@@ -22,6 +22,10 @@ exactly in key order, and the first n pops are the n best nodes: prefix-closed, 
 tree is `build_tree`'s on logprobs = lattice_logprobs[:, 0], bit for bit.
 
 Cost. One stable sort of the D·K rows, O(D·K² log K), then O(n log n) for n nodes (two pushes per pop).
+
+Branching. `build_lattice_trees` may cap the children of every node at its best m (its row's first m ranks,
+`cap_children`): the best-first tree of the capped lattice, whose first min(budget, Σ_d m^d) nodes have
+finite scores. m = 1 leaves each node its rank-0 child only, which is `lattice_chain`'s walk.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from bastion_sglang.controller.batched import DraftTreeBatch, lattice_size
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
 
 
@@ -203,3 +208,47 @@ def lattice_chain(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> Dr
         candidates.append(candidate)
     parents, depths = [ROOT, *range(len(rows) - 1)], list(range(1, len(rows) + 1))
     return _to_tree(scores, parents, depths, candidates, token_ids, lattice_logprobs.device)
+
+
+def cap_children(lattice_logprobs: torch.Tensor, branching: int) -> torch.Tensor:
+    """Keep the `branching` best entries of every row, the others -inf (module docstring, "Branching").
+
+    lattice_logprobs: [..., D, K, K]; a row's ranks are its stable descending sort (the lowest candidate
+    first on a tie), as `build_lattice_tree` ranks them, so with finite log-probs the kept entries keep their
+    ranks. Returns a new tensor (the input itself when branching >= K).
+    """
+    if isinstance(branching, bool) or not isinstance(branching, int) or branching < 1:
+        raise ValueError(f"branching must be a positive int, got {branching!r}")
+    if branching >= lattice_logprobs.shape[-1]:
+        return lattice_logprobs
+    order = torch.sort(lattice_logprobs, dim=-1, descending=True, stable=True).indices
+    return lattice_logprobs.scatter(-1, order[..., branching:], float("-inf"))
+
+
+def build_lattice_trees(
+    lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, branching: int | None = None
+) -> DraftTreeBatch:
+    """`build_lattice_tree` of every request, stacked: each node has at most `branching` children (None: K).
+
+    lattice_logprobs: [B, D, K, K] finite log-probs; token_ids: [B, D, K]. Every row holds
+    N = min(budget, Σ_{d=1..D} m^d) nodes, m = min(branching, K), best-first, so the trees stack; with
+    branching 1 each row is `lattice_chain`'s path, cut to the budget. ValueError on bad input.
+    """
+    if lattice_logprobs.dim() != 4:
+        raise ValueError(f"lattice_logprobs must be [B, D, K, K], got shape {tuple(lattice_logprobs.shape)}")
+    width = int(lattice_logprobs.shape[-1])
+    children = width if branching is None else min(branching, width)
+    capped = cap_children(lattice_logprobs, children)
+    validate_budget(budget)
+    nodes = lattice_size(int(lattice_logprobs.shape[1]), children, budget)
+    if token_ids.dim() != 3:
+        raise ValueError(f"token_ids must be [B, D, K], got shape {tuple(token_ids.shape)}")
+    rows = [build_lattice_tree(capped[b], token_ids[b], nodes) for b in range(int(capped.shape[0]))]
+    if not rows:
+        return DraftTreeBatch.empty(0, lattice_logprobs.device)
+    return DraftTreeBatch(
+        tokens=torch.stack([r.tokens for r in rows]),
+        parents=torch.stack([r.parents for r in rows]),
+        depths=torch.stack([r.depths for r in rows]),
+        log_scores=torch.stack([r.log_scores for r in rows]),
+    )

@@ -92,3 +92,20 @@ class DraftTopK:
 
     logprobs: torch.Tensor  # [B, D, k] float32: log-probabilities, each row sorted descending
     token_ids: torch.Tensor  # [B, D, k] int64: the matching token ids
+
+
+@dataclass(frozen=True)
+class DraftLattice:
+    """A DFlash2 drafter's proposal: K candidates per position and the transition log-probabilities between
+    the candidates of adjacent positions (SGLang's `CandidateSelector` lattice), which the controller's
+    `lattice_tree` builds trees over.
+
+    unary: the candidates of each of the D positions, largest drafter logit first, with their unary
+    log-probabilities (the drafter's own per-position distribution over the vocabulary); what a tree over
+    independent positions would read. transitions[b, e, p, c]: log q(candidate c of position e | candidate p
+    of position e - 1), each [K] row a distribution over position e's candidates; position 0 follows the
+    root, so its K rows are one row.
+    """
+
+    unary: DraftTopK  # [B, D, K]: candidates and their unary log-probs
+    transitions: torch.Tensor  # [B, D, K, K] float32: row [b, e, p] over position e's candidates

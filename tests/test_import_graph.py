@@ -172,7 +172,9 @@ FLOORS: tuple[Floor, ...] = (
     ),
     Floor(
         "glue without SGLang",
-        tuple(f"{_P}.{name}" for name in ("step_controller", "draft_context", "graph_buckets")),
+        tuple(
+            f"{_P}.{name}" for name in ("step_controller", "draft_context", "graph_buckets", "lattice_plan")
+        ),
         sglang=False,
     ),
     Floor("SGLang adapter", (f"{_P}.sglang_adapter",), sglang=True),
@@ -200,6 +202,8 @@ FLOORS: tuple[Floor, ...] = (
                 "calibration.startup",
                 "reference.drafter",
                 "reference.proposer",
+                "reference.selector",
+                "reference.lattice_proposer",
             )
         ),
         sglang=True,

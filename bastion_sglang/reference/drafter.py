@@ -14,6 +14,9 @@ Math (the same as SGLang 0.5.23 `srt/models/dflash.py` with its worker's context
 - Draft logits of the B-1 masked positions: the target's LM head applied to the last B-1 hidden states.
 
 Weights are stored as `DRAFTER_WEIGHTS_NAME` with exactly the z-lab names (no embedding, no LM head).
+
+A DFlash2 drafter (`DrafterConfig.selector` set) is the same backbone plus SGLang's candidate selector
+(`reference.selector`), stored under its SGLang names (`candidate_selector.*`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.reference.selector import CandidateSelector
 
 DRAFTER_WEIGHTS_NAME = "model.safetensors"
 """File holding a drafter's weights inside its checkpoint folder."""
@@ -180,7 +184,8 @@ class DraftContextCache:
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash draft model (module docstring); embedding and LM head are the target's, passed per call."""
+    """DFlash draft model (module docstring); embedding and LM head are the target's, passed per call.
+    `candidate_selector` is DFlash2's selector, None for a DFlash drafter."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -207,6 +212,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        selector = config.selector
+        self.candidate_selector = (
+            None
+            if selector is None
+            else CandidateSelector(
+                hidden_size=hidden, vocab_size=config.vocab_size, rank=selector.rank, top_k=selector.top_k
+            )
+        )
 
     @classmethod
     def from_pretrained(
@@ -217,7 +230,8 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype = torch.float32,
         target_num_layers: int | None = None,
     ) -> DFlashDrafter:
-        """Load a z-lab-format checkpoint folder. Every weight must be present with its exact shape.
+        """Load a z-lab-format checkpoint folder (DFlash or DFlash2). Every weight must be present with its
+        exact shape.
 
         target_num_layers: the runtime target's layers, for configs without target_layer_ids.
         """

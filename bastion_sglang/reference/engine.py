@@ -3,9 +3,11 @@
 One speculative step (`docs/architecture.md`, "One decode step"), with ctx = tokens in the target's cache
 and the bonus token at position ctx:
 
-1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]);
-2. plan: `build_trees_auto` (best-first, up to the budget), `plan_batch` (the worker's batch planner, at
-   B = 1) picks n, `flatten_trees` and `build_verify_layout` give the W = n + 1 verify rows;
+1. draft: the proposer gives the top-k tokens of the next D positions (`DraftTopK` [1, D, k]), or, for a
+   DFlash2 drafter, its candidate lattice (`DraftLattice` [1, D, K, K], `reference.lattice_proposer`);
+2. plan: `build_trees_auto` (best-first, up to the budget; on a lattice `build_lattice_trees`,
+   `lattice_plan`), `plan_batch` (the worker's batch planner, at B = 1) picks n, `flatten_trees` and
+   `build_verify_layout` give the W = n + 1 verify rows;
 3. verify: one target forward over the W tokens, positions ctx + depth, ancestor-only mask; with width
    buckets (as the worker runs its captured graphs) the rows are padded to the bucket W_v >= W
    (`graph_buckets.pad_verify_rows`), so a GPU sees the same few pass shapes every step instead of a new
@@ -61,7 +63,10 @@ from bastion_sglang.kernels import (
     flatten_trees,
     sample_tokens,
 )
+from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.lattice_plan import plan_draft
 from bastion_sglang.reference.drafter import DFlashDrafter
+from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
 from bastion_sglang.reference.proposer import DFlashProposer
 from bastion_sglang.reference.sampling import SamplingParams
 from bastion_sglang.reference.stats import GenerationResult, StepStats
@@ -123,8 +128,9 @@ class ReferenceEngine:
     """BASTION decoding of one request at a time with a Hugging Face target.
 
     target: a causal-LM folder or a loaded `PreTrainedModel` (moved to device/dtype).
-    drafter: a DFlash checkpoint folder, a `DFlashDrafter`, any `DraftSource`, or None (plain decoding
-        only). A DFlash drafter is checked against the target (`check_drafter_fits`).
+    drafter: a DFlash or DFlash2 checkpoint folder, a `DFlashDrafter`, any `DraftSource`, or None (plain
+        decoding only). A DFlash(2) drafter is checked against the target (`check_drafter_fits`); a DFlash2
+        one drafts lattices (`DFlash2Proposer`).
     hardware / latency: the verify-latency model the policies plan with: a given `LatencyModel` (e.g.
         from a calibration profile), else an uncalibrated roofline of the target on `hardware` (required
         then: there is no default GPU), with `width_buckets` if given. Its EMA is updated every step.
@@ -132,7 +138,8 @@ class ReferenceEngine:
         are fitted online to this engine's measured stages (`StepCostTracker`, as the worker does) and L_AR
         is the latency model's prediction for one token at the current context.
     acceptance: the drafter's acceptance calibration (trees are built on its calibrated log-probabilities,
-        so Â and the policies see calibrated values); None: the raw drafter probabilities.
+        so Â and the policies see calibrated values); None: the raw drafter probabilities. Refused with a
+        DFlash2 drafter (`lattice_plan`).
     max_nodes: N_max, the tree budget of the adaptive policies. eos_token_ids: None reads the target's
         generation config.
     """
@@ -165,6 +172,11 @@ class ReferenceEngine:
         self.target = TargetModel(model, self.proposer.feature_layers if self.proposer is not None else ())
         self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
         self.step_costs = step_costs
+        if acceptance is not None and isinstance(self.proposer, DFlash2Proposer):
+            raise ValueError(
+                "a DFlash2 drafter's lattice is planned on its raw transition log-probs; an acceptance "
+                "calibration (fitted on top-K drafts) cannot be applied to it: pass acceptance=None"
+            )
         self.acceptance = acceptance
         self._costs = StepCostTracker(decay=COST_DECAY, warmup_steps=COLD_STEPS)
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
@@ -193,7 +205,8 @@ class ReferenceEngine:
             )
         if isinstance(drafter, DFlashDrafter):
             check_drafter_fits(drafter.config, config)
-            return DFlashProposer(
+            source = DFlashProposer if drafter.candidate_selector is None else DFlash2Proposer
+            return source(
                 drafter.to(device=self.device, dtype=dtype).eval(),
                 model.get_input_embeddings(),
                 model.get_output_embeddings(),
@@ -398,7 +411,7 @@ class ReferenceEngine:
             draft_input = DraftInput(state.tokens[: state.length], state.new_features)
             proposal = self.proposer.propose(draft_input, state.topk)
         with timer.stage("plan"):
-            planned = controller.plan(step, proposal)  # host sync: scores
+            planned = plan_draft(controller, step, proposal, state.topk)  # host sync: scores
             controller.record(step, planned)
             plan = planned.plan
             nodes, expected = plan.node_counts[0], plan.expected_accept[0]
@@ -433,4 +446,5 @@ class ReferenceEngine:
         record = StepRecord(step.index, [self._verify_width(nodes)], [ctx], predicted, None, True)
         controller.end_timed(record, seconds)
         controller.verified([accepted])
-        return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds, proposal)
+        top, lattice = (proposal, None) if isinstance(proposal, DraftTopK) else (None, proposal)
+        return StepStats(ctx, nodes, width, expected, accepted, emitted, predicted, seconds, top, lattice)

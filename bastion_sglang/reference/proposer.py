@@ -1,7 +1,7 @@
 """The DFlash draft source of the reference engine (`draft_protocols.DraftSource`: what the engine asks of a
 drafter each step; that module defines the terms). It returns, for the D = block_size - 1 positions after
 the bonus, the top-k tokens and their log-probabilities (`DraftTopK`), from which the controller builds the
-tree.
+tree. `DraftBlockPass` is the drafter pass it shares with the DFlash2 source (`reference.lattice_proposer`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,57 @@ from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.reference.drafter import DFlashDrafter, DraftContextCache
 
 
-class DFlashProposer:
-    """The DFlash DraftSource: one drafter pass over [bonus, MASK × (B - 1)] with the target's embedding and
-    head."""
+class DraftBlockPass:
+    """A drafter's context over one sequence and its pass over [bonus, MASK × (B - 1)] with the target's
+    embedding: the final hidden states a DFlash or DFlash2 source reads its draft from."""
 
-    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module) -> None:
         self.drafter = drafter
         self.embed_tokens = embed_tokens
+        self.cache: DraftContextCache | None = None
+
+    def start(self, capacity: int) -> None:
+        self.cache = self.drafter.new_cache(capacity)
+
+    @torch.no_grad()
+    def states(self, draft_input: DraftInput) -> torch.Tensor:
+        """Ingest the newly committed positions' features, then run the block: [block_size, h] final states,
+        row 0 the bonus token's, row e + 1 that of draft position e."""
+        if self.cache is None:
+            raise ValueError("the drafter pass was asked for a draft before start()")
+        if draft_input.new_features is None:
+            raise ValueError("a DFlash drafter needs the target features of the newly committed positions")
+        new = int(draft_input.new_features.shape[0])
+        if self.cache.length + new != draft_input.ctx_len:
+            raise ValueError(
+                f"draft context holds {self.cache.length} positions, {new} new ones do not reach "
+                f"ctx_len {draft_input.ctx_len}"
+            )
+        self.drafter.append_context(self.cache, draft_input.new_features)
+        config = self.drafter.config
+        block = torch.full(
+            (config.block_size,), config.mask_token_id, dtype=torch.int64, device=draft_input.committed.device
+        )
+        block[0] = draft_input.committed[-1]
+        return self.drafter(self.embed_tokens(block).to(self.drafter.fc.weight.dtype), self.cache)
+
+
+class DFlashProposer:
+    """The DFlash DraftSource: one drafter pass over [bonus, MASK × (B - 1)] with the target's embedding and
+    head. A DFlash2 drafter (with a selector) is refused: its draft is a lattice (`DFlash2Proposer`)."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        if drafter.candidate_selector is not None:
+            raise ValueError(
+                "DFlashProposer drafts with a plain DFlash drafter; this one has a DFlash2 candidate "
+                "selector, whose draft is a lattice: use reference.lattice_proposer.DFlash2Proposer"
+            )
+        self._pass = DraftBlockPass(drafter, embed_tokens)
         self.lm_head = lm_head
-        self._cache: DraftContextCache | None = None
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        return self._pass.drafter
 
     @property
     def depth(self) -> int:
@@ -36,29 +78,13 @@ class DFlashProposer:
     @property
     def cache(self) -> DraftContextCache | None:
         """The drafter's context K/V of the current sequence (None before `start`)."""
-        return self._cache
+        return self._pass.cache
 
     def start(self, capacity: int) -> None:
-        self._cache = self.drafter.new_cache(capacity)
+        self._pass.start(capacity)
 
     @torch.no_grad()
     def propose(self, draft_input: DraftInput, k: int) -> DraftTopK:
-        if self._cache is None:
-            raise ValueError("DFlashProposer.propose called before start()")
-        if draft_input.new_features is None:
-            raise ValueError("DFlashProposer needs the target features of the newly committed positions")
-        new = int(draft_input.new_features.shape[0])
-        if self._cache.length + new != draft_input.ctx_len:
-            raise ValueError(
-                f"draft context holds {self._cache.length} positions, {new} new ones do not reach "
-                f"ctx_len {draft_input.ctx_len}"
-            )
-        self.drafter.append_context(self._cache, draft_input.new_features)
-        config = self.drafter.config
-        block = torch.full(
-            (config.block_size,), config.mask_token_id, dtype=torch.int64, device=draft_input.committed.device
-        )
-        block[0] = draft_input.committed[-1]
-        states = self.drafter(self.embed_tokens(block).to(self.drafter.fc.weight.dtype), self._cache)
+        states = self._pass.states(draft_input)
         logits = self.lm_head(states[1:].to(self.lm_head.weight.dtype))  # [D, V]
         return topk_logprobs(logits[None], k)

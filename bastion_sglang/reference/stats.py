@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.timing import StageTimes
 
 
@@ -26,6 +26,7 @@ class StepStats:
     predicted_verify_seconds: float  # the latency model's prediction for (W, ctx_len) before observing
     seconds: StageTimes
     draft: DraftTopK | None = None  # the drafter's top-K of the step, [1, D, K] (None for a plain step)
+    lattice: DraftLattice | None = None  # a DFlash2 drafter's lattice, [1, D, K, K] (its draft is None)
 
 
 @dataclass(frozen=True)
