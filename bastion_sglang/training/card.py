@@ -2,7 +2,9 @@
 
 The metadata block holds the Hugging Face card keys and, under `bastion_training`, every figure the prose
 quotes (data, steps, wall time, losses, held-out acceptance), so the numbers are machine-readable and
-come from the run's own state, never typed by hand.
+come from the run's own state, never typed by hand. A DFlash2 drafter's card (a selector trained on a
+frozen DFlash backbone, `training.selector`) also holds the backbone's own chain acceptance on the same
+held-out blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.training.selector import SelectorTrainConfig, SelectorTrainingState
 from bastion_sglang.training.train import AcceptanceReport, InitialDrafter, TrainConfig, TrainingState
 
 CARD_NAME = "README.md"
@@ -39,7 +42,7 @@ class TrainingSummary(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     data: DataSummary
-    config: TrainConfig
+    config: TrainConfig | SelectorTrainConfig
     initialised_from: InitialDrafter | None = Field(
         default=None, description="set when the run continued a trained drafter; figures count this run only"
     )
@@ -48,6 +51,9 @@ class TrainingSummary(BaseModel):
     device: str
     final_loss: float | None
     acceptance: AcceptanceReport | None = Field(description="held-out chain acceptance at steps_done")
+    backbone_acceptance: AcceptanceReport | None = Field(
+        default=None, description="DFlash2: the frozen backbone's DFlash chain on the same held-out blocks"
+    )
 
 
 class CardMetadata(BaseModel):
@@ -69,13 +75,15 @@ def write_card(
     license_id: str,
     base_model: str,
     drafter: DrafterConfig,
-    state: TrainingState,
+    state: TrainingState | SelectorTrainingState,
     data: DataSummary,
     device: str,
     acceptance: AcceptanceReport | None,
     mask_token: str,
+    backbone_acceptance: AcceptanceReport | None = None,
 ) -> Path:
-    """Write folder/README.md for a drafter at `state.step`; returns its path."""
+    """Write folder/README.md for a drafter at `state.step`; returns its path. backbone_acceptance: a DFlash2
+    drafter's frozen backbone measured on the same blocks."""
     summary = TrainingSummary(
         data=data,
         config=state.config,
@@ -85,17 +93,20 @@ def write_card(
         device=device,
         final_loss=state.history[-1].loss if state.history else None,
         acceptance=acceptance,
+        backbone_acceptance=backbone_acceptance,
     )
+    family = ["dflash"] if drafter.selector is None else ["dflash2", "dflash"]
     metadata = CardMetadata(
         license=license_id,
         base_model=base_model,
-        tags=["dflash", "speculative-decoding", "bastion", "block-diffusion"],
+        tags=[*family, "speculative-decoding", "bastion", "block-diffusion"],
         library_name="sglang",
         bastion_training=summary,
     )
     front = yaml.safe_dump(metadata.model_dump(mode="json"), sort_keys=False, width=100)
     path = folder / CARD_NAME
-    path.write_text(f"---\n{front}---\n\n{_prose(name, base_model, drafter, summary, mask_token)}", "utf-8")
+    prose = _prose if drafter.selector is None else _selector_prose
+    path.write_text(f"---\n{front}---\n\n{prose(name, base_model, drafter, summary, mask_token)}", "utf-8")
     return path
 
 
@@ -217,6 +228,101 @@ def _prose(
         "python -m sglang.launch_server --model-path $(bastion demo setup --print-path) \\",
         f"    --speculative-algorithm BASTION --speculative-draft-model-path models/{name}",
         "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _backbone_history(initial: InitialDrafter | None) -> str:
+    if initial is None or initial.steps_done is None or initial.train_seconds is None:
+        return "The backbone's own training is not recorded."
+    return (
+        f"The backbone `{initial.name}` trained {initial.steps_done} steps "
+        f"({initial.train_seconds / 3600:.2f} h) on data regenerated in {initial.generation_dtype}; the "
+        "figures above count the selector's run only."
+    )
+
+
+def _selector_prose(
+    name: str, base_model: str, drafter: DrafterConfig, summary: TrainingSummary, mask_token: str
+) -> str:
+    config, data, selector = summary.config, summary.data, drafter.selector
+    if not isinstance(config, SelectorTrainConfig) or selector is None:
+        raise ValueError("a DFlash2 card needs a selector run's config and a drafter with a selector")
+    backbone = Path(config.init_from_drafter).name
+    lines = [
+        f"# {name}",
+        "",
+        f"A DFlash2 drafter for `{base_model}`: the DFlash block-diffusion drafter `{backbone}`, frozen,",
+        "with a candidate selector trained on top. In one forward pass it proposes the top "
+        f"{selector.top_k} candidates",
+        f"of each of the next {drafter.block_size - 1} tokens and scores every transition between the",
+        "candidates of adjacent positions; BASTION's reference engine builds its best-first trees over that",
+        "lattice. It has no embedding and no LM head: the target's are shared. Output stays exactly the",
+        "target's; the drafter only changes speed.",
+        "",
+        "## Architecture",
+        "",
+        f"- Backbone: {drafter.num_hidden_layers} draft layers, hidden {drafter.hidden_size}, "
+        f"{drafter.num_attention_heads} heads / {drafter.num_key_value_heads} KV heads of "
+        f"{drafter.head_dim}, MLP {drafter.intermediate_size}, RoPE θ {drafter.rope_theta:g}; context "
+        f"features of target layers {list(drafter.target_layer_ids)} of {drafter.num_target_layers}; block "
+        f"size {drafter.block_size}, mask token id {drafter.mask_token_id} (`{mask_token}`).",
+        f"- Selector: rank {selector.rank}, {selector.top_k} candidates per position from the target's LM "
+        "head; codebooks [vocab, rank] (`candidate_selector.predecessor_codebook`, `successor_codebook`) and "
+        "a projection [rank, hidden] of the drafter's state; no output multiplier, no softcap.",
+        f"- `{selector.architecture}` in the published DFlash2 format (`config.json` with the selector's "
+        "keys in `dflash_config`, bf16 `model.safetensors`): SGLang 0.5.23's `DFlash2DraftModel` loads its "
+        "weights unchanged, as does `bastion_sglang.reference.drafter`.",
+        "",
+        "## Training data",
+        "",
+        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.prompt_sets`;",
+        f"the held-out split is never trained on). The target answered each prompt greedily "
+        f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
+        f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "
+        f"sequences for measurement. Regeneration took {data.generation_seconds / 3600:.2f} h.",
+        "",
+        "## Training",
+        "",
+        f"{summary.steps_done} of {config.steps} steps on {summary.device} "
+        f"({summary.train_seconds / 3600:.2f} h, the frozen backbone's pass over the training blocks "
+        f"included): {config.anchors_per_sequence} random blocks per sequence, {config.batch_rows} lattice "
+        "rows per step, each a slot's row after the target's own previous token, where every slot up to it "
+        "holds the target's token among its candidates; cross-entropy of the target's candidate weighted "
+        f"exp(-e/{config.loss_decay:g}) by slot e; AdamW lr {config.lr:g} (warmup {config.warmup_steps} "
+        f"steps, cosine to 0), weight decay {config.weight_decay:g}, fp32, seed {config.seed}."
+        + (f" Last logged loss: {summary.final_loss:.3f} nats." if summary.final_loss is not None else ""),
+        _backbone_history(summary.initialised_from),
+        "",
+        "## Held-out acceptance",
+        "",
+    ]
+    report, base = summary.acceptance, summary.backbone_acceptance
+    if report is None or base is None:
+        lines.append("Not measured yet.")
+    else:
+        lines += [
+            "Chain acceptance against the target's greedy continuation of held-out prompts: for each anchor,",
+            "1 + the number of leading positions where the chain's token is the target's (at most "
+            f"{drafter.block_size}); {report.blocks} blocks. DFlash2: the selector's greedy walk over the",
+            f"lattice; DFlash: the backbone `{backbone}`'s top-1 token at every position, same blocks.",
+            "",
+            "| set | DFlash2 chain | DFlash chain |",
+            "|---|---|---|",
+            *(
+                f"| {source} | {mean:.2f} | {base.by_source[source]:.2f} |"
+                for source, mean in report.by_source.items()
+            ),
+            f"| all | {report.mean:.2f} | {base.mean:.2f} |",
+        ]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "The reference engine plans trees over its lattice:",
+        f'`bastion_sglang.reference.ReferenceEngine(target, "models/{name}", ...)`. SGLang\'s BASTION',
+        "worker refuses DFlash2 drafters at start-up until its lattice path is in place.",
         "",
     ]
     return "\n".join(lines)

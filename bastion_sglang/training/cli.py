@@ -6,6 +6,10 @@ Stages (each resumable):
 2. Training (`train.Trainer`), with its state in <data-dir>/runs/<out name>/; --resume continues it.
 3. Export at every checkpoint: the drafter in the z-lab format (bf16 weights), the held-out chain
    acceptance, and README.md, into --out.
+
+`--arch dflash2` trains a DFlash2 drafter instead: a candidate selector on top of the trained DFlash drafter
+--init-from-drafter, whose backbone stays frozen and sets the target layers, block size and mask token
+(`selector_cli`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from bastion_sglang.assets import default_cache_dir
 from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits, default_target_layer_ids
 from bastion_sglang.prompt_sets import PROMPT_SETS, plan_prompts
+from bastion_sglang.training import selector_cli
 from bastion_sglang.training.card import DataSummary, describe_initial_drafter, write_card
 from bastion_sglang.training.data import load_training_sequences, regenerate
 from bastion_sglang.training.train import (
@@ -36,6 +41,8 @@ from bastion_sglang.training.train import (
 
 HELP = "Train a DFlash drafter for a target: regenerate data with it, train, export (z-lab format)."
 DEFAULT_FEATURE_LAYERS = 5
+DEFAULT_LR = 6e-4
+"""Peak learning rate of a DFlash run unless --lr is given."""
 """Target layers read by default (DFlash's count for its 5-layer drafters), spread as DFlash does."""
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, required=True, help="target model folder (Hugging Face)")
     parser.add_argument("--out", type=Path, required=True, help="drafter folder to write (z-lab format)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--arch",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="dflash: train a DFlash drafter; dflash2: train a candidate selector on the frozen DFlash "
+        "drafter --init-from-drafter (default: dflash)",
+    )
+    parser.add_argument("--selector-rank", type=int, default=32, help="dflash2: rank of the selector")
+    parser.add_argument("--selector-top-k", type=int, default=8, help="dflash2: candidates per position")
+    parser.add_argument("--batch-rows", type=int, default=4096, help="dflash2: lattice rows per step")
     parser.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     parser.add_argument("--block-size", type=int, default=16, help="block: anchor token + block_size-1 masks")
@@ -84,9 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sequences", type=int, default=4, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     parser.add_argument("--loss-decay", type=float, default=7.0, help="γ of the weights exp(-(k-1)/γ)")
-    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--lr", type=float, default=None, help="default: 6e-4 (dflash), 3e-3 (dflash2)")
     parser.add_argument("--warmup-steps", type=int, default=50)
-    parser.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16-mixed", "fp32"],
+        default=None,
+        help="default: bf16-mixed (dflash2: fp32)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     initialisation = parser.add_mutually_exclusive_group()
     initialisation.add_argument(
@@ -168,7 +190,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {config_path} not found; --target must be a Hugging Face model folder")
     target_config = json.loads(config_path.read_text(encoding="utf-8"))
     num_layers = int(target_config["num_hidden_layers"])
-    layer_ids = args.target_layer_ids or list(default_target_layer_ids(num_layers, DEFAULT_FEATURE_LAYERS))
+    if args.arch == "dflash2":
+        backbone = selector_cli.backbone_config(args, target_config)
+        layer_ids = list(backbone.target_layer_ids)
+    else:
+        layer_ids = args.target_layer_ids or list(
+            default_target_layer_ids(num_layers, DEFAULT_FEATURE_LAYERS)
+        )
     if len(set(layer_ids)) != len(layer_ids):
         raise SystemExit(
             f"error: target layer ids {layer_ids} repeat a layer; pass distinct --target-layer-ids"
@@ -190,6 +218,20 @@ def run(args: argparse.Namespace) -> int:
     if args.data_only:
         print(f"data ready in {data_dir}")
         return 0
+    train_sequences = load_training_sequences(data_dir / "train")
+    heldout_sequences = load_training_sequences(data_dir / "heldout")
+    data_summary = DataSummary(
+        target=str(target),
+        prompt_sets=[str(s) for s in args.prompt_sets],
+        train_sequences=len(train_sequences),
+        train_response_tokens=sum(s.num_response_tokens for s in train_manifest.shards),
+        heldout_sequences=len(heldout_sequences),
+        max_new_tokens=args.max_new_tokens,
+        generation_dtype=args.gen_dtype,
+        generation_seconds=train_manifest.generation_seconds + heldout_manifest.generation_seconds,
+    )
+    if args.arch == "dflash2":
+        return selector_cli.run(args, target, data_dir, data_summary, train_sequences, heldout_sequences)
 
     mask_token_id, mask_token = resolve_mask_token(target, args.mask_token_id)
     drafter_config = build_drafter_config(
@@ -204,16 +246,14 @@ def run(args: argparse.Namespace) -> int:
         batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors,
         loss_decay=args.loss_decay,
-        lr=args.lr,
+        lr=DEFAULT_LR if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps,
-        precision=args.precision,
+        precision=args.precision or "bf16-mixed",
         seed=args.seed,
         init_from_target=args.init_from_target,
         init_from_drafter=None if args.init_from_drafter is None else str(args.init_from_drafter),
     )
     frozen = load_frozen_target(target, device)
-    train_sequences = load_training_sequences(data_dir / "train")
-    heldout_sequences = load_training_sequences(data_dir / "heldout")
     state_dir = data_dir / "runs" / args.out.name
     initial_weights, initialised_from = initialisation(args, target, drafter_config)
     trainer = Trainer(
@@ -233,16 +273,6 @@ def run(args: argparse.Namespace) -> int:
             f"error: a training run already exists in {state_dir}; pass --resume to continue it, or remove "
             "that folder to start over"
         )
-    data_summary = DataSummary(
-        target=str(target),
-        prompt_sets=[str(s) for s in args.prompt_sets],
-        train_sequences=len(train_sequences),
-        train_response_tokens=sum(s.num_response_tokens for s in train_manifest.shards),
-        heldout_sequences=len(heldout_sequences),
-        max_new_tokens=args.max_new_tokens,
-        generation_dtype=args.gen_dtype,
-        generation_seconds=train_manifest.generation_seconds + heldout_manifest.generation_seconds,
-    )
 
     def export(current: Trainer) -> None:
         report = chain_acceptance(
@@ -250,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
             frozen,
             heldout_sequences,
             stride=args.eval_stride,
-            precision=args.precision,
+            precision=train_config.precision,
         )
         current.state.acceptance.append(
             AcceptancePoint(step=current.state.step, mean=report.mean, blocks=report.blocks)

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -327,7 +327,20 @@ def batch_for_step(
     return chosen, sample_anchors(chosen, config.anchors_per_sequence, generator)
 
 
-def learning_rate(config: TrainConfig, step: int) -> float:
+class Schedule(Protocol):
+    """What `learning_rate` reads of a run's config (TrainConfig, `selector.SelectorTrainConfig`)."""
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def warmup_steps(self) -> int: ...
+
+    @property
+    def steps(self) -> int: ...
+
+
+def learning_rate(config: Schedule, step: int) -> float:
     """Linear warmup over warmup_steps, then cosine decay to 0 at `steps` (step counts from 0)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
