@@ -7,9 +7,11 @@ A `StepAnatomy` counts while a step is open (`open_step` .. `close_step`), with 
   `aten.select`, ...), which launch nothing.
 - syncs: the calls that block the host until a device has computed a value (`SYNC_METHODS`, `SYNC_OPS`):
   a tensor's value read into Python (`.item()`, `.tolist()`, `.numpy()`, `bool(t)`, `int(t)`, `float(t)`,
-  `t` as an index), a blocking copy to the host (`.cpu()`, `.to("cpu")` without `non_blocking`), and the
-  ops whose output size or value depends on the data (`nonzero`, `masked_select`, `unique`, `equal`, boolean
-  indexing, `repeat_interleave` without `output_size`). The Python-level ones never reach the dispatcher
+  `t` as an index), a blocking copy to the host (`.cpu()`, `.to("cpu")` without `non_blocking`; on a CPU
+  run only where the call spells the host "cpu": `t.to(other.device)` moves to the device, which there is
+  the host), and the ops whose output size or value depends on the data (`nonzero`, `masked_select`,
+  `unique`, `equal`, boolean indexing, `repeat_interleave` without `output_size`). The Python-level ones
+  never reach the dispatcher
   (`.tolist()`, `.cpu()` of a host tensor), so a `TorchFunctionMode` counts the methods and the dispatch
   mode the ops. With `host_tensors_sync` False (a CUDA run) a call counts only on a tensor that is not on
   the host: a real blocking sync. On a CPU run every tensor is a host tensor, so a call counts on any
@@ -153,8 +155,9 @@ class _ReadMode(TorchFunctionMode):
         return result
 
 
-def _host_copy_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether `Tensor.to(*args, **kwargs)` is a blocking copy to the host."""
+def _host_copy_target(args: tuple[Any, ...], kwargs: dict[str, Any], spelled: bool) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` is a blocking copy to the host. spelled: only where the call names
+    the host as "cpu" (a CPU run: there `t.to(other.device)` names a device that happens to be the host)."""
     if kwargs.get("non_blocking") or any(arg is True for arg in args[1:]):
         return False
     target = kwargs.get("device")
@@ -163,7 +166,9 @@ def _host_copy_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             target = arg
         elif isinstance(arg, torch.Tensor):
             target = arg.device
-    return target is not None and torch.device(target).type == "cpu"
+    if target is None or (spelled and not isinstance(target, str)):
+        return False
+    return torch.device(target).type == "cpu"
 
 
 class StepAnatomy:
@@ -313,7 +318,7 @@ class StepAnatomy:
         fresh, self._fresh_copy = self._fresh_copy, None
         if name is None or not args or not isinstance(args[0], torch.Tensor) or args[0] is fresh:
             return
-        if name == "to" and not _host_copy_target(args, kwargs):
+        if name == "to" and not _host_copy_target(args, kwargs, spelled=self._host_tensors_sync):
             return
         if not self._syncs_on(args[0]):
             return

@@ -65,7 +65,7 @@ def test_three_adds_and_an_item_are_three_ops_and_one_sync() -> None:
         (lambda t: 1 if t[1] else 0, "bool"),
         (lambda t: t.cpu(), "cpu"),
         (lambda t: t.to("cpu"), "to"),
-        (lambda t: t.to(device=torch.device("cpu")), "to"),
+        (lambda t: t.to(device="cpu", dtype=torch.float64), "to"),
         (lambda t: t.nonzero(), "nonzero"),
         (lambda t: torch.nonzero(t), "nonzero"),
         (lambda t: t[t > 0], "bool_index"),
@@ -89,6 +89,8 @@ def test_each_host_read_is_one_sync(read: object, name: str) -> None:
     [
         lambda t: t.to(torch.float32),
         lambda t: t.to("cpu", non_blocking=True),
+        lambda t: t.to(t.device),  # to the device, which on a CPU run is the host
+        lambda t: t.to(torch.device("cpu")),
         lambda t: torch.repeat_interleave(t, t, output_size=3),
         lambda t: t[torch.tensor([0, 1])],
         lambda t: t.view(3, 1).sum(),

@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, MissingPackageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    commit, dirty = checkout_state()  # before the Engines start: the code they import
     try:
         steps = run_anatomy(plan)
     except RuntimeError as error:
@@ -221,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
         dtype=bench.dtype,
         overlap_schedule=False,
     )
-    commit, dirty = checkout_state()
     report = AnatomyReport(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         command=command_line(args),

@@ -31,6 +31,7 @@ def counted_syncs(work: object, device: torch.device) -> dict[str, int]:
         (lambda t, host: t.cpu(), {"cpu": 1}),
         (lambda t, host: t.cpu().tolist(), {"cpu": 1}),
         (lambda t, host: t.to("cpu"), {"to": 1}),
+        (lambda t, host: t.to(host.device), {"to": 1}),
         (lambda t, host: t.nonzero(), {"nonzero": 1}),
         (lambda t, host: t[t > 0], {"bool_index": 1}),
         (lambda t, host: t.to("cpu", non_blocking=True), {}),
