@@ -43,7 +43,7 @@ def _generate(
         "--attention-backend", backend,
         "--dtype", BACKEND_DTYPES[backend],
         "--mem-fraction-static", "0.3",
-        "--cuda-graph-max-bs", "8",
+        "--cuda-graph-max-bs-decode", "8",
     ]  # fmt: skip
     if bastion is not None:
         args += [
