@@ -37,9 +37,15 @@ SERVING_MODULES = (
     "bastion_sglang.registration",
     "bastion_sglang.worker",
     "bastion_sglang.graphs",
+    "sglang.benchmark.one_batch",
+    "sglang.kernels.ops.gemm.cutedsl_dual_gemm",
 )
-CUDA_ONLY_MODULES = ("sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",)
-"""Imported by SGLang's CUDA graph runners; raises at import on a CPU device."""
+CUDA_ONLY_MODULES = (
+    "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",
+    "sglang.srt.layers.attention.deepseek_v4_backend",
+)
+"""Imported by SGLang's CUDA graph runners (the DeepSeek-V4 backend while capturing decode graphs); raise at
+import on a CPU device."""
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DFlashDraftModel")
 TORCHVISION_CPU = Path(__file__).resolve().parents[2] / "scripts" / "torchvision_cpu.py"
 """The CPU environment's torchvision fix (loaded by path, as its `.pth` line does)."""

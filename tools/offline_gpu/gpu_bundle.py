@@ -12,9 +12,21 @@ from a trimmed tree):
 - compiled extensions (`*.so`): the Rust HTTP/gRPC servers, benchmarks and multimodal helpers are off
   the serving path, and without the Rust TreeCore SGLang selects its Python TreeCore
   (`mem_cache/unified_cache/tree_core_registry.py`); they are built for one Python version anyway;
-- `multimodal_gen/` (the diffusion generator), `test/` and `benchmark/`: never imported by the server;
+- `multimodal_gen/` (the diffusion generator), `test/` and `benchmark/` but `benchmark/one_batch.py`:
+  never imported by the server (`one_batch` is: the prefill of calibration's measurement engine, which
+  `bastion calibrate --engine sglang` and a server's start-up calibration run);
 - model files other than `KEPT_MODELS`: SGLang's model registry imports every module of
   `sglang.srt.models` and skips those that are absent, so only the architectures kept can be served.
+
+What the trim replaces (`STANDIN_MODULES`): modules the serving path imports on CUDA whose imports the GPU
+image cannot satisfy, each by a few lines that give what the serving path reads from it (found on the first
+CUDA run, 2026-11-27, H200):
+- `kernels/ops/gemm/cutedsl_dual_gemm.py` imports `cutlass` (NVIDIA's CUTLASS DSL) at module level, and every
+  dense MLP's `DualGemm` imports it on CUDA to ask `can_use_dual_gemm`; the kernel runs on SM100 only, so on
+  the H100/H200 the answer is False either way, which the stand-in gives;
+- `srt/models/deepseek_v2.py` (dropped with the other models) is imported by the DeepSeek-V4 attention
+  modules that SGLang's decode CUDA-graph runner imports while capturing, for two flags (`_is_hip`,
+  `_use_aiter`), which the stand-in computes as SGLang does.
 
 `tools/offline_gpu/gpu-bundle.sh --help` (`python -m offline_gpu.gpu_bundle` with `tools/` on PYTHONPATH)
 builds it.
@@ -55,7 +67,47 @@ WHEELS_DIR = "wheels"
 MANIFEST = "manifest.json"
 
 DROPPED_PACKAGES = ("multimodal_gen", "test", "benchmark")
-"""Subpackages of `sglang` that the server never imports."""
+"""Subpackages of `sglang` that the server never imports (but `KEPT_BENCHMARK`)."""
+KEPT_BENCHMARK = frozenset({"__init__.py", "one_batch.py"})
+"""Files of `sglang/benchmark/` kept: the one-batch prefill calibration's measurement engine uses."""
+STANDIN_MODULES: dict[str, str] = {
+    "kernels/ops/gemm/cutedsl_dual_gemm.py": '''"""Offline GPU bundle stand-in: SGLang's SM100 dual GEMM
+needs the CUTLASS DSL, which this machine lacks; on other GPUs `can_use_dual_gemm` is False, as here."""
+
+from enum import IntEnum
+
+MAX_DUAL_GEMM_DECODE_TOKENS = 16
+
+
+class DualGemmQuantMode(IntEnum):
+    STATIC_PER_TENSOR = 0
+    STATIC_PER_TOKEN = 1
+    DYNAMIC_PER_TENSOR = 2
+    DYNAMIC_PER_TOKEN = 3
+    UNQUANT = 4
+
+    @property
+    def is_quantized(self) -> bool:
+        return self is not DualGemmQuantMode.UNQUANT
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self in (DualGemmQuantMode.DYNAMIC_PER_TENSOR, DualGemmQuantMode.DYNAMIC_PER_TOKEN)
+
+
+def can_use_dual_gemm(num_tokens, hidden_size, intermediate_size, quant_mode) -> bool:
+    return False
+''',
+    "srt/models/deepseek_v2.py": '''"""Offline GPU bundle stand-in for the dropped DeepSeek-V2 model:
+the two flags SGLang's DeepSeek-V4 attention modules import from it while decode graphs are captured."""
+
+from sglang.srt.utils import get_bool_env_var, is_hip
+
+_is_hip = is_hip()
+_use_aiter = get_bool_env_var("SGLANG_USE_AITER") and _is_hip
+''',
+}
+"""Files of `sglang/` the trim writes in place of the originals (module docstring), by path inside it."""
 DROPPED_SUFFIXES = (".so", ".pyc")
 MODELS_PACKAGE = ("srt", "models")
 KEPT_MODELS = frozenset(
@@ -110,7 +162,7 @@ def is_dropped(relative: Path) -> bool:
     if "__pycache__" in parts or relative.suffix in DROPPED_SUFFIXES:
         return True
     if parts[0] in DROPPED_PACKAGES:
-        return True
+        return not (parts[0] == "benchmark" and len(parts) == 2 and parts[1] in KEPT_BENCHMARK)
     if parts[: len(MODELS_PACKAGE)] == MODELS_PACKAGE and len(parts) > len(MODELS_PACKAGE):
         inside = parts[len(MODELS_PACKAGE) :]
         return len(inside) > 1 or Path(inside[0]).stem not in KEPT_MODELS
@@ -118,7 +170,8 @@ def is_dropped(relative: Path) -> bool:
 
 
 def trim_sglang(package: Path, dest: Path) -> TrimReport:
-    """Copy the `sglang` package directory `package` to `dest/sglang`, leaving out what `is_dropped` says.
+    """Copy the `sglang` package directory `package` to `dest/sglang`, leaving out what `is_dropped` says and
+    writing `STANDIN_MODULES` in place of their originals.
 
     `package` is an installed or unpacked `sglang/` folder; `dest` must not contain `sglang` yet.
     """
@@ -141,6 +194,9 @@ def trim_sglang(package: Path, dest: Path) -> TrimReport:
         shutil.copyfile(path, target / relative)
         kept += 1
         kept_bytes += size
+    for relative, text in STANDIN_MODULES.items():
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        (target / relative).write_text(text)
     return TrimReport(kept, kept_bytes, dropped, dropped_bytes)
 
 
