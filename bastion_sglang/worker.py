@@ -10,7 +10,9 @@ One decode step for a batch of B requests (each with prefix L_b and root = its b
    step of width 1 with no grammar runs SGLang's own DECODE forward instead (`target_forward`).
 4. accept: logit processing and the accept walk (`accept.Acceptor`).
 5. commit: the accepted slots move to the front of the window and become drafter KV (`commit.commit_tree`);
-   a width-1 step's drafter row is held until the drafter needs it (`commit.DraftContextWriter`).
+   a width-1 step's drafter row is held until the drafter needs it (`commit.DraftContextWriter`); the
+   committed tokens' hidden states and sampling masks go to the requests that ask for them
+   (`request_outputs`).
 6. observe: the controller matches the step's measured times and accepted counts with its plan.
 
 Everything DFlash-specific that is not BASTION's (loading the drafter, its KV pool, the prefill path that
