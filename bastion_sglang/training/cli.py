@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sequences", type=int, default=4, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     parser.add_argument("--loss-decay", type=float, default=7.0, help="γ of the weights exp(-(k-1)/γ)")
-    parser.add_argument("--lr", type=float, default=None, help="default: 6e-4 (dflash), 3e-3 (dflash2)")
+    parser.add_argument("--lr", type=float, default=None, help="default: 6e-4 (dflash), 1e-3 (dflash2)")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument(
         "--precision",

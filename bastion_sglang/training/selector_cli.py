@@ -31,7 +31,7 @@ from bastion_sglang.training.selector import (
 )
 from bastion_sglang.training.train import STATE_JSON_NAME, load_frozen_target
 
-DEFAULT_SELECTOR_LR = 3e-3
+DEFAULT_SELECTOR_LR = 1e-3
 """Peak learning rate of a selector run unless --lr is given."""
 
 logger = logging.getLogger(__name__)

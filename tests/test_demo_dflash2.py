@@ -1,0 +1,91 @@
+"""The committed demo DFlash2 drafter (`models/smollm2-135m-instruct-dflash2`, trained by `bastion
+train-drafter --arch dflash2` on the frozen demo DFlash drafter) on the reference engine beside the demo
+target: it fits the size budget, keeps its backbone's weights, and its lattice trees and chain emit exactly
+the target's tokens in fp32, greedy and seeded-sampled, on held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from bastion_sglang.controller.roofline import CPU_HARDWARE
+from bastion_sglang.drafter_config import DrafterConfig, SelectorConfig
+from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
+from bastion_sglang.reference import ReferenceEngine
+from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
+from bastion_sglang.training.card import read_card_metadata
+
+if TYPE_CHECKING:
+    from demo_target import DemoTarget
+
+pytest_plugins = ["demo_target"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+DRAFTER = MODELS / "smollm2-135m-instruct-dflash2"
+BACKBONE = MODELS / "smollm2-135m-instruct-dflash"
+MAX_DRAFTER_BYTES = 25 * 1024 * 1024
+NEW_TOKENS = 24
+SAMPLING = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(demo_target: DemoTarget) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(demo_target.path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_target: DemoTarget) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(demo_target.path)
+    return [chat_prompt_ids(tokenizer, p) for p in plan_prompts(list(PROMPT_SETS), "heldout", 1)]
+
+
+@pytest.fixture(scope="module")
+def engine(model: PreTrainedModel) -> ReferenceEngine:
+    return ReferenceEngine(
+        model, DRAFTER, device="cpu", dtype=torch.float32, hardware=CPU_HARDWARE, max_nodes=64
+    )
+
+
+def test_the_drafter_fits_the_budget_and_keeps_its_backbone() -> None:
+    assert sum(f.stat().st_size for f in DRAFTER.iterdir()) <= MAX_DRAFTER_BYTES
+    config = DrafterConfig.from_json(DRAFTER)
+    assert config.selector == SelectorConfig(rank=32, top_k=8)
+    assert config.model_copy(update={"selector": None}) == DrafterConfig.from_json(BACKBONE)
+    weights, backbone = (
+        load_file(str(DRAFTER / "model.safetensors")),
+        load_file(str(BACKBONE / "model.safetensors")),
+    )
+    assert set(weights) - set(backbone) == {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+    }
+    assert all(torch.equal(weights[name], tensor) for name, tensor in backbone.items())
+    summary = read_card_metadata(DRAFTER / "README.md").bastion_training
+    assert summary.acceptance is not None and summary.backbone_acceptance is not None
+
+
+@pytest.mark.parametrize("policy", ["chain", "fixed:16", "fixed:64", "adaptive"])
+def test_greedy_equals_generate(
+    model: PreTrainedModel, prompts: list[list[int]], engine: ReferenceEngine, policy: str
+) -> None:
+    assert isinstance(engine.proposer, DFlash2Proposer)
+    for prompt in prompts:
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        result = engine.generate(prompt, NEW_TOKENS, policy=policy)
+        assert result.tokens == reference[0, len(prompt) :].tolist(), (policy, prompt)
+
+
+@pytest.mark.parametrize("policy", ["chain", "fixed:16"])
+def test_seeded_sampling_equals_plain_decoding(
+    prompts: list[list[int]], engine: ReferenceEngine, policy: str
+) -> None:
+    for prompt in prompts:
+        plain = engine.generate(prompt, NEW_TOKENS, policy="ar", **SAMPLING).tokens
+        assert engine.generate(prompt, NEW_TOKENS, policy=policy, **SAMPLING).tokens == plain, policy
