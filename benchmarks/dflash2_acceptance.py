@@ -10,11 +10,12 @@ row:
 - DFlash2 (`models/smollm2-135m-instruct-dflash2`): best-first lattice trees of 16 and of 64 nodes
   (`fixed:16`, `fixed:64`) and DFlash2's own greedy walk (`chain`);
 - DFlash (`models/smollm2-135m-instruct-dflash`, the DFlash2 drafter's frozen backbone): its chain, and its
-  trees of 16 and 64 nodes over independent positions, for reference.
-τ is the mean accepted length: tokens committed per verify pass (accepted drafts + the bonus), summed over
-the prompts' steps. Fixed budgets and the chain never decline, so τ depends on the drafts alone, not on this
-machine's timings. Every row must emit the same tokens (greedy, lossless); the script stops otherwise.
-Prints the table and writes it as JSON. Only acceptance is measured: no speed.
+  trees of 16 and 64 nodes over independent positions, for reference: with 8 candidates per position (the
+  lattice's K, and the worker's default --bastion-topk) and with up to 64 (the reference engine's default).
+τ is the mean accepted length (`GenerationResult.mean_accept_length`): accepted drafts + the bonus per
+verify pass, summed over the prompts' steps. Fixed budgets and the chain never decline, so τ depends on the
+drafts alone, not on this machine's timings. Every row must emit the same tokens (greedy, lossless); the
+script stops otherwise. Prints the table and writes it as JSON. Only acceptance is measured: no speed.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
+from bastion_sglang.controller.policies import BudgetPolicy, ChainPolicy, FixedPolicy
 from bastion_sglang.controller.roofline import CPU_HARDWARE
 from bastion_sglang.demo import demo_target_dir
 from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
@@ -38,15 +41,32 @@ from bastion_sglang.reference import ReferenceEngine
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "models" / "smollm2-135m-instruct-dflash"
 DFLASH2 = ROOT / "models" / "smollm2-135m-instruct-dflash2"
-ROWS = (
-    ("DFlash2", "fixed:16", "lattice tree, 16 nodes"),
-    ("DFlash2", "fixed:64", "lattice tree, 64 nodes"),
-    ("DFlash2", "chain", "DFlash2 chain (greedy walk)"),
-    ("DFlash", "chain", "DFlash chain"),
-    ("DFlash", "fixed:16", "DFlash tree, 16 nodes"),
-    ("DFlash", "fixed:64", "DFlash tree, 64 nodes"),
+CANDIDATES = 8
+"""Candidates per position of the K-capped DFlash rows: the DFlash2 drafter's selector_top_k."""
+
+
+@dataclass(frozen=True)
+class CappedFixedPolicy(FixedPolicy):
+    """fixed:N over at most `cap` candidates per position (as the worker's --bastion-topk caps them)."""
+
+    cap: int = CANDIDATES
+
+    @property
+    def topk_cap(self) -> int | None:
+        return self.cap
+
+
+ROWS: tuple[tuple[str, str, BudgetPolicy, str], ...] = (
+    ("DFlash2", "fixed:16", FixedPolicy(16), "lattice tree, 16 nodes (K = 8)"),
+    ("DFlash2", "fixed:64", FixedPolicy(64), "lattice tree, 64 nodes (K = 8)"),
+    ("DFlash2", "chain", ChainPolicy(), "DFlash2 chain (greedy walk)"),
+    ("DFlash", "chain", ChainPolicy(), "DFlash chain"),
+    ("DFlash", "fixed:16", CappedFixedPolicy(16), "DFlash tree, 16 nodes, K = 8"),
+    ("DFlash", "fixed:64", CappedFixedPolicy(64), "DFlash tree, 64 nodes, K = 8"),
+    ("DFlash", "fixed:16", FixedPolicy(16), "DFlash tree, 16 nodes, K = 16"),
+    ("DFlash", "fixed:64", FixedPolicy(64), "DFlash tree, 64 nodes, K = 64"),
 )
-"""(drafter, policy, label) of each measured row."""
+"""(drafter, policy name, policy, label) of each measured row."""
 
 
 class Row(BaseModel):
@@ -89,19 +109,19 @@ def measure(args: argparse.Namespace) -> Report:
         for name, path in (("DFlash2", args.dflash2), ("DFlash", args.dflash))
     }
     rows, outputs = [], None
-    for drafter, policy, label in ROWS:
+    for drafter, name, policy, label in ROWS:
         began = time.perf_counter()
         results = [engines[drafter].generate(p, args.max_new_tokens, policy=policy) for p in ids]
         tokens = [r.tokens for r in results]
         if outputs is None:
             outputs = tokens
         elif tokens != outputs:
-            raise SystemExit(f"{drafter} {policy} emitted other tokens than {ROWS[0][:2]}: not lossless")
+            raise SystemExit(f"{drafter} {label} emitted other tokens than the first row: not lossless")
         steps = [step for r in results for step in r.steps]
         committed = sum(step.accepted + 1 for step in steps)
         row = Row(
             drafter=drafter,
-            policy=policy,
+            policy=name,
             label=label,
             tau=committed / len(steps),
             steps=len(steps),

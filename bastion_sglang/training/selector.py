@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -139,12 +139,16 @@ class SelectorRows:
 
     @classmethod
     def cat(cls, parts: Sequence[SelectorRows]) -> SelectorRows:
-        return cls(
-            *(torch.cat([getattr(p, name) for p in parts]) for name in cls.__dataclass_fields__)  # type: ignore[arg-type]
-        )
+        """The rows of every part, in order."""
+        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
 
     def take(self, index: torch.Tensor) -> SelectorRows:
-        return SelectorRows(*(getattr(self, name)[index] for name in self.__dataclass_fields__))
+        """The rows at index [m] int64."""
+        return SelectorRows(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields by name (what the rows cache stores)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @torch.no_grad()
@@ -390,8 +394,7 @@ class SelectorTrainer:
                 self._rows = training_rows(self.backbone, self.frozen, self.sequences, self.config)
                 self.state.seconds += time.perf_counter() - began
                 self.state_dir.mkdir(parents=True, exist_ok=True)
-                fields = {name: getattr(self._rows, name) for name in SelectorRows.__dataclass_fields__}
-                torch.save(fields, cache)
+                torch.save(self._rows.tensors(), cache)
             self.state.rows = self._rows.count
             if self._rows.count == 0:
                 raise ValueError("no reachable row: the backbone never ranks the target's token in its top-K")
