@@ -1,22 +1,34 @@
 """The commit stage of a decode step: the accepted path's KV slots, the drafter's context, the logprobs.
 
-A tree step moves each request's accepted slots to the front of its verify window by permuting its slot ids
-(no KV is copied; the rejected slots stay in the request's reserve) and appends the accepted positions'
-target hidden states to the drafter KV (DFlash's commit, `sglang_adapter.append_target_hidden_to_draft_kv`). A
-step of width 1 has its one token already in place: its drafter row is held
+A tree step puts each request's accepted path (root first, then its accepted nodes in path order) at columns
+L_b.. of its verify window and appends the accepted positions' target hidden states to the drafter KV at those
+columns' slots (DFlash's commit, `sglang_adapter.append_target_hidden_to_draft_kv`). How the path gets there
+is chosen once by the KV page size (`TreeCommit`):
+- pages of one token: the window's slot ids are permuted in `req_to_token` (no KV is copied; the rejected
+  slots stay in the request's reserve);
+- pages of N > 1 tokens: SGLang's page invariant (the positions of one page sit at consecutive slots of one
+  page, which paged attention kernels and the allocator rely on) forbids permuting slot ids, so the accepted
+  nodes' target KV (every layer) is copied from their slots to the slots of columns 1..a in path order
+  (`kernels.window_kv_moves`, SGLang's `move_kv_cache`), `req_to_token` is left as it is, and the drafter KV
+  is written at the destination slots. The copy moves at most W - 1 slots per request; the planner prices it
+  per verify token (`kv_copy_seconds_per_token`, `StepCostTracker.add_prior_per_token`).
+A step of width 1 has its one token already in place: its drafter row is held
 (`draft_context.DeferredDraftContext`) and written in one append before the next drafter pass, a prefill, a
 change of batch or 64 held steps.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bastion_sglang import kernels
 from bastion_sglang import sglang_adapter as sgl
 from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
 from bastion_sglang.sglang_adapter import DFlashWorkerV2, compute_spec_logprobs
+from bastion_sglang.timing import time_op
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -52,34 +64,74 @@ class DraftContextWriter:
             )
 
 
-def commit_tree(
-    worker: DFlashWorkerV2,
-    req_to_token: torch.Tensor,
-    rows_index: torch.Tensor,
-    slots: torch.Tensor,
-    window: torch.Tensor,
-    order: torch.Tensor,
-    hidden: torch.Tensor,
-    commit_lens: torch.Tensor,
-) -> None:
-    """Commit a tree step's accepted paths.
+PADDING_SLOT = 0
+"""SGLang's padding KV slot (never allocated to a request): moves that move nothing copy it onto itself, so
+a paged commit's copy has a fixed size and needs no host sync (SGLang's own
+`move_accept_tokens_to_target_kvcache` pads its moves the same way)."""
 
-    req_to_token: SGLang's [pool rows, max context] slot table; rows_index: [B, 1] int64 the requests' rows;
-    slots: [B, W] int64 the verify rows' KV slots; window: [B, W] int64 req_to_token columns L_b..L_b+W-1;
-    order: [B, W] `kernels.compaction_order`; hidden: [B, W, H] the rows' target hidden states; commit_lens:
-    [B] int32 tokens emitted. The accepted slots take columns L_b.. in path order; the accepted positions'
-    hidden states become drafter KV at those slots.
-    """
-    compacted = slots.gather(1, order)
-    req_to_token[rows_index, window] = compacted.to(req_to_token.dtype)
-    path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
-    sgl.append_target_hidden_to_draft_kv(
-        worker,
-        target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
-        cache_loc_2d=compacted,
-        positions=window.reshape(-1),
-        commit_lens=commit_lens,
-    )
+
+class TreeCommit:
+    """Commits a tree step's accepted paths into `worker`'s KV (module docstring): by permuting slot ids with
+    pages of one token (`page_size` 1), by copying KV with larger pages."""
+
+    def __init__(self, worker: DFlashWorkerV2, page_size: int) -> None:
+        self._worker = worker
+        self._copies_kv = page_size > 1
+
+    def commit(
+        self,
+        rows_index: torch.Tensor,
+        slots: torch.Tensor,
+        window: torch.Tensor,
+        order: torch.Tensor,
+        hidden: torch.Tensor,
+        commit_lens: torch.Tensor,
+    ) -> None:
+        """Commit a tree step's accepted paths.
+
+        rows_index: [B, 1] int64 the requests' req_to_token rows; slots: [B, W] int64 the verify rows' KV
+        slots; window: [B, W] int64 req_to_token columns L_b..L_b+W-1; order: [B, W]
+        `kernels.compaction_order`; hidden: [B, W, H] the rows' target hidden states; commit_lens: [B] int32
+        tokens emitted (the path's columns: root + accepted nodes). Afterwards columns L_b.. hold the path's
+        KV in path order, and the path's hidden states are drafter KV at those columns' slots.
+        """
+        if not self._copies_kv:
+            req_to_token = self._worker.model_runner.req_to_token_pool.req_to_token
+            path_slots = slots.gather(1, order)
+            req_to_token[rows_index, window] = path_slots.to(req_to_token.dtype)
+        else:
+            moves = kernels.window_kv_moves(order, commit_lens.to(torch.int64), slots)
+            sgl.move_kv(
+                sgl.target_kv_pool(self._worker),
+                tgt_loc=moves.dst.reshape(-1).clamp(min=PADDING_SLOT),  # NO_MOVE -> the padding slot
+                src_loc=moves.src.reshape(-1).clamp(min=PADDING_SLOT),
+            )
+            path_slots = slots
+        path_hidden = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        sgl.append_target_hidden_to_draft_kv(
+            self._worker,
+            target_hidden=path_hidden.reshape(-1, hidden.shape[-1]),
+            cache_loc_2d=path_slots,
+            positions=window.reshape(-1),
+            commit_lens=commit_lens,
+        )
+
+
+def kv_copy_seconds_per_token(worker: DFlashWorkerV2, tokens: int, repeats: int = 5) -> float:
+    """Seconds per token of copying `tokens` slots' target KV (every layer) within the pool, as a paged
+    `TreeCommit` copies an accepted path: the median of `repeats` timed copies (after one untimed) of
+    `tokens` distinct slots onto `tokens` others, divided by `tokens`. Both ranges are free slots past the
+    padding page; call at start-up, before any request holds KV. ValueError unless tokens >= 1 and the pool
+    holds 2 · tokens slots past its padding page."""
+    kv_pool = sgl.target_kv_pool(worker)
+    first = int(kv_pool.page_size)  # slots [0, page_size) are SGLang's padding page
+    if tokens < 1 or first + 2 * tokens > int(kv_pool.size):
+        raise ValueError(f"cannot time a copy of {tokens} slots in a KV pool of {kv_pool.size} slots")
+    device = torch.device(worker.device)
+    src = torch.arange(first, first + tokens, dtype=torch.int64, device=device)
+    tgt = src + tokens
+    seconds = time_op(lambda: sgl.move_kv(kv_pool, tgt_loc=tgt, src_loc=src), device, 1, repeats)
+    return statistics.median(seconds) / tokens
 
 
 def attach_logprobs(

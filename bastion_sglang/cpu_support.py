@@ -23,7 +23,9 @@ scheduler builds the rotary layers) and each stand-in through SGLang's `HookRegi
 every `from X import name` copy):
 - `TorchNativeAttnBackend.forward_extend` gains a TARGET_VERIFY branch (SGLang's has none: it reads
   extend_prefix_lens, which verify batches lack): per request, queries attend to the cached prefix and
-  to the verify tokens the flat custom mask allows (`kernels.tree_attention`).
+  to the verify tokens the flat custom mask allows (`kernels.tree_attention`). With `--page-size` above 1
+  it reads the keys through each page's first slot, as paged CUDA kernels do (`paged_slots`), so a commit
+  that broke SGLang's page invariant changes the CPU outputs instead of passing unnoticed.
 - `mem_cache.allocation.assign_req_to_token_pool_func` -> a torch loop (SGLang's runs the Triton kernel
   `assign_req_to_token_pool` unless its CPU engine is on; decode allocation for speculation calls it).
 - `kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func` -> host byte copies (SGLang's launches a
@@ -252,7 +254,8 @@ def verify_attention(
     """TARGET_VERIFY attention on the torch_native backend: n tokens per request after a cached prefix.
 
     q: [B·n, Hq·Dh]; k, v: [B·n, Hkv·Dh] (written to the KV cache at out_cache_loc first). Request b's
-    keys are req_to_token[r_b, : L_b + n] with L_b = forward_batch.seq_lens[b] (the committed prefix).
+    keys are at the slots of positions 0 .. L_b + n - 1 with L_b = forward_batch.seq_lens[b] (the committed
+    prefix), read from req_to_token[r_b] page by page (`paged_slots`).
     Mask per request, [n, L_b + n]: the block of spec_info.custom_mask when present (triton layout,
     see `kernels.flat_custom_mask`); else all True for non-causal layers (the DFlash drafter's block);
     else the prefix plus a lower triangle. Returns [B·n, Hq·Dv].
@@ -281,12 +284,13 @@ def verify_attention(
     k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
     req_to_token = backend.req_to_token_pool.req_to_token
+    page_size = int(backend.token_to_kv_pool.page_size)
     mask_offset = 0
     prefixes = forward_batch.seq_lens.tolist()  # host copy: CPU tensors, no device sync
     rows = forward_batch.req_pool_indices.tolist()
     for b, (prefix, row) in enumerate(zip(prefixes, rows, strict=True)):
         keys_len = prefix + per_request
-        slots = req_to_token[row, :keys_len]
+        slots = paged_slots(req_to_token[row], keys_len, page_size)
         if custom_mask is not None:
             size = per_request * keys_len
             mask = custom_mask[mask_offset : mask_offset + size].view(per_request, keys_len).to(torch.bool)
@@ -300,3 +304,18 @@ def verify_attention(
         tokens = slice(b * per_request, (b + 1) * per_request)
         out[tokens] = tree_attention(queries[tokens], k_cache[slots], v_cache[slots], mask, layer.scaling)
     return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+
+def paged_slots(row_slots: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """[length] KV slots of positions 0..length-1 of one request, read as a paged attention kernel reads them:
+    each page's first slot (row_slots[p * page_size]) plus the position's offset in its page.
+
+    row_slots: [max context] the request's req_to_token row. With pages of one token this is the row itself;
+    with larger pages it equals the row exactly where SGLang's page invariant holds (the positions of one page
+    sit at consecutive slots of one page), so a verify pass on the CPU reads what a paged CUDA backend reads.
+    """
+    if page_size == 1:
+        return row_slots[:length]
+    firsts = row_slots[:length:page_size]
+    offsets = torch.arange(page_size, dtype=row_slots.dtype, device=row_slots.device)
+    return (firsts[:, None] + offsets).reshape(-1)[:length]

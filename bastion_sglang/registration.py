@@ -479,10 +479,9 @@ def handle_server_args(server_args: Any) -> None:
     Does what SGLang's `_handle_dflash` does (steps 1, topk 1, the drafter's block size, the draft
     attention backend, 48 running requests by default) without its device check, and BASTION's own:
     draft-token count = verify width cap N_max + 1, overlap scheduling off unless `--bastion-overlap-schedule
-    on`, mixed chunks off, page size 1,
-    no pipeline parallel or DP attention, the drafter must fit the target, the backend must read a custom
-    tree mask, the latency profile must load. `server_args` is SGLang's recording stand-in: assignments
-    become declarations.
+    on`, mixed chunks off, no pipeline parallel or DP attention, the drafter must fit the target, the backend
+    must read a custom tree mask, the latency profile must load. `server_args` is SGLang's recording
+    stand-in: assignments become declarations.
     """
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.utils.hf_transformers_utils import get_config
@@ -599,8 +598,8 @@ def check_heads_split(tp_size: int, **hf_configs: Any) -> None:
 
 def _check_parallelism(cfg: Any) -> None:
     """Tensor parallel (`--tp-size`, rank 0 plans: `rank_sync`) and data parallel (`--dp-size`, one worker per
-    replica) are served; pipeline parallel and DP attention are not; page size 1 (accepted nodes are moved
-    by permuting slot ids)."""
+    replica) are served; pipeline parallel and DP attention are not. Any `--page-size` is served: with pages
+    of several tokens a tree commit copies the accepted path's KV instead of permuting slot ids (`commit`)."""
     pp_size = cfg.pp_size
     if pp_size is not None and int(pp_size) != 1:
         raise ValueError(
@@ -613,11 +612,6 @@ def _check_parallelism(cfg: Any) -> None:
         raise ValueError(
             f"{ALGORITHM} does not support DP attention (--attn-dp-size {attn_dp_size}): its ranks verify "
             "one batch in lockstep. Use --dp-size for independent replicas"
-        )
-    page_size = cfg.page_size
-    if page_size is not None and int(page_size) != 1:
-        raise ValueError(
-            f"{ALGORITHM} needs --page-size 1 (tree nodes are compacted per slot), got {page_size}"
         )
 
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -144,6 +144,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
         "decode_cuda_graph_runner",
         "attn_backend",
         "req_to_token_pool",
+        "token_to_kv_pool",
     ),
     *_internals("sglang.srt.layers.logprob_processor", "compute_spec_logprobs"),
     *_internals("sglang.srt.layers.dp_attention", "get_dp_tp_group"),
@@ -277,8 +278,15 @@ STATE_INTERNALS: tuple[Internal, ...] = (
     *_members("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator", "page_size"),
     *_members("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool", "req_to_token"),
     *_members(
-        "sglang.srt.mem_cache.memory_pool", "KVCache", "set_kv_buffer", "get_key_buffer", "get_value_buffer"
+        "sglang.srt.mem_cache.memory_pool",
+        "KVCache",
+        "set_kv_buffer",
+        "get_key_buffer",
+        "get_value_buffer",
+        "page_size",
+        "size",
     ),
+    _call("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool", "move_kv_cache", "tgt_loc", "src_loc"),
     _call("sglang.srt.mem_cache.memory_pool", "KVWriteLoc", None, "loc", "swa_loc"),
     _call(
         "sglang.srt.managers.overlap_utils",
@@ -521,7 +529,7 @@ RUNTIME_CONFIG_INTERNALS: tuple[Internal, ...] = (
         "speculative_num_draft_tokens",
         "speculative_dflash_block_size",
     ),
-    *_members(f"{_FIELDS}.schedule", "Schedule", "max_running_requests"),
+    *_members(f"{_FIELDS}.schedule", "Schedule", "max_running_requests", "page_size"),
     *_members(f"{_FIELDS}.exec_", "ExecKernel", "sampling_backend"),
     *_members(f"{_FIELDS}.observability", "Observability", "enable_metrics", "extra_metric_labels"),
     *_members(f"{_FIELDS}.serving", "Serving", "served_model_name"),
@@ -926,6 +934,18 @@ def append_target_hidden_to_draft_kv(
         positions=positions,
         commit_lens=commit_lens,
     )
+
+
+def target_kv_pool(worker: DFlashWorkerV2) -> KVCache:
+    """The target's KV pool (every layer's K and V by slot)."""
+    return worker.model_runner.token_to_kv_pool
+
+
+def move_kv(kv_pool: KVCache, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+    """Copy every layer's KV of slots src_loc onto slots tgt_loc, [N] int64 each (SGLang's `move_kv_cache`: on
+    CUDA one Triton launch per 128 or 256 slots, each reading its slots before writing them; on the CPU
+    `copy_all_layer_kv_cache_func`, BASTION's host stand-in, pair by pair in order)."""
+    kv_pool.move_kv_cache(tgt_loc=tgt_loc, src_loc=src_loc)
 
 
 def attention_backend_of(model_runner: ModelRunner) -> AttentionBackend:

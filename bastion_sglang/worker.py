@@ -9,7 +9,8 @@ One decode step for a batch of B requests (each with prefix L_b and root = its b
 3. verify: the target's TARGET_VERIFY forward over the B x W tokens at slots req_to_token[r, L : L + W]; a
    step of width 1 with no grammar runs SGLang's own DECODE forward instead (`target_forward`).
 4. accept: logit processing and the accept walk (`accept.Acceptor`).
-5. commit: the accepted slots move to the front of the window and become drafter KV (`commit.commit_tree`);
+5. commit: the accepted path moves to the front of the window (slot ids permuted with pages of one token, KV
+   copied with larger pages) and becomes drafter KV (`commit.TreeCommit`);
    a width-1 step's drafter row is held until the drafter needs it (`commit.DraftContextWriter`); the
    committed tokens' hidden states and sampling masks go to the requests that ask for them
    (`request_outputs`).
@@ -29,7 +30,7 @@ import torch
 from bastion_sglang import kernels
 from bastion_sglang.accept import Acceptor, RowLogits, is_greedy
 from bastion_sglang.calibration.startup import StartupCalibration
-from bastion_sglang.commit import DraftContextWriter, attach_logprobs, commit_tree
+from bastion_sglang.commit import DraftContextWriter, TreeCommit, attach_logprobs, kv_copy_seconds_per_token
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.draft_context import ContextRows
 from bastion_sglang.draft_protocols import load_draft_logits_rewriter
@@ -97,6 +98,8 @@ class BastionWorker(DFlashWorkerV2):
             load_draft_logits_rewriter(config),
         )
         self._context = DraftContextWriter(self)  # drafter KV rows of width-1 steps
+        self._page_size = int(get_schedule().page_size)
+        self._commit = TreeCommit(self, self._page_size)
         self._target = TargetForward(self, config.verify_width_cap, config.width_buckets)
         self._metrics = (
             BastionMetrics(scheduler_metric_labels())
@@ -136,6 +139,14 @@ class BastionWorker(DFlashWorkerV2):
             self._metrics,
             self._startup_calibration(),
         )
+        if self._page_size > 1:
+            copy_seconds = kv_copy_seconds_per_token(self, config.verify_width_cap)
+            self._controller.costs.add_prior_per_token(copy_seconds)
+            logger.info(
+                "BASTION: page size %d, tree commits copy KV: %.3g µs per verify token priced",
+                self._page_size,
+                copy_seconds * 1e6,
+            )
 
     def _startup_calibration(self) -> StartupCalibration | None:
         """How this server measures its own profile at start-up (`calibration.startup`): on the target's
@@ -327,10 +338,7 @@ class BastionWorker(DFlashWorkerV2):
         with timer.stage("commit"):
             real_window = tree_pass.window[:, :width]  # [B, W]: padding slots stay uncommitted in the reserve
             hidden = real_rows(logits_output.hidden_states, bs, width).view(bs, width, -1)
-            req_to_token = self.model_runner.req_to_token_pool.req_to_token
-            commit_tree(
-                self,
-                req_to_token,
+            self._commit.commit(
                 inputs.rows_index,
                 tree_pass.slots[:, :width],
                 real_window,

@@ -3,7 +3,11 @@
 A decode step costs Ĉ = T_draft + T_aux + t_aux_per_token · tokens + T_verify (`StepCosts.cycle_seconds`),
 where `tokens` counts the verify tokens of the whole batch. T_aux + t_aux_per_token · tokens is everything on
 the host and device outside the two forwards: tree search, mask and layout building, logits processing, the
-accept walk, KV compaction. It grows with the tree, so a constant would price wide trees too cheaply.
+accept walk, KV compaction. It grows with the tree, so a constant would price wide trees too cheaply. With
+KV pages of several tokens the commit also copies the accepted path's KV (at most W - 1 slots per request,
+every layer); calibration measures the aux work without that copy, so a paged server raises its prior's
+per-token cost by the copy's measured seconds per slot (`StepCostTracker.add_prior_per_token`), a bound per
+verify token.
 T_draft is one drafter pass over the batch's B blocks: flat in B on a GPU at small batches, close to
 proportional to B where the drafter is compute-bound (a CPU: 18 ms at B = 1, 80 ms at B = 8 on the demo
 pair), so it is a line in B as well, and the planner prices the batch it plans.
@@ -94,6 +98,11 @@ class DecayingLine:
         self.xy += weight * x * y
         self.x_max = max(self.x_max, x)
 
+    def shift(self, slope: float) -> None:
+        """Add slope · x to the y of every point put in so far (their weights and x unchanged)."""
+        self.y += slope * self.x
+        self.xy += slope * self.xx
+
     def fit(self) -> tuple[float, float]:
         """(intercept, slope); (0, 0) before any point. A slope <= 0 gives (weighted mean, 0); an intercept
         < 0 gives the line through the origin at the weighted least-squares slope."""
@@ -149,6 +158,19 @@ class StepCostTracker:
                 self._draft.add(
                     prior_weight / 2, batch, prior.t_draft + prior_draft_per_request * (batch - 1)
                 )
+
+    def add_prior_per_token(self, seconds: float) -> None:
+        """Raise the prior's t_aux_per_token by `seconds` per verify token: work of this server's steps that
+        its profile was measured without (a paged tree commit's KV copy, `commit.kv_copy_seconds_per_token`).
+        Measured steps include that work already, so only the prior's pseudo-steps take it; call before the
+        first measured step (ValueError after it, or for seconds < 0). Without a prior nothing changes: the
+        first measured step prices the work.
+        """
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be >= 0 per token, got {seconds!r}")
+        if self._steps > 0:
+            raise ValueError("the prior's per-token cost can only be raised before the first measured step")
+        self._aux.shift(seconds)
 
     @property
     def steps(self) -> int:

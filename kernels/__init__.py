@@ -9,8 +9,9 @@ on that path, so importing this package never needs a GPU driver.
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
 `build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify ->
 `accept_greedy` / `accept_sampling` (uniforms from `position_uniforms`) -> `compaction_order` /
-`committed_tokens` (the SGLang worker permutes KV slots) or `accepted_kv_moves` -> `apply_kv_moves` (the
-reference engine copies KV rows).
+`committed_tokens` (the SGLang worker permutes KV slots with pages of one token, and copies the slots of
+`window_kv_moves` with larger pages) or `accepted_kv_moves` -> `apply_kv_moves` (the reference engine copies
+KV rows).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "topk_logprobs",
     "tree_attention",
     "uses_triton",
+    "window_kv_moves",
 ]
 
 
@@ -243,6 +245,20 @@ def accepted_kv_moves(
 
         return triton_kv.accepted_kv_moves(accept_index, accept_length, tree_base)
     return reference.accepted_kv_moves(accept_index, accept_length, tree_base)
+
+
+def window_kv_moves(order: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> KvMoves:
+    """Slot copies that put each request's accepted path at the front of its verify window (pages of several
+    tokens, where slot ids cannot be permuted).
+
+    order: [B, W] int64 `compaction_order`; keep: [B] int64 columns of the accepted path (accepted nodes + 1,
+    root included); slots: [B, W] int64 the window's KV slots (column k at position L_b + k). Returns KvMoves:
+    src, dst [B, W] (slots[b, order[b, k]] -> slots[b, k] for k < keep[b] where the two differ, NO_MOVE
+    elsewhere), keep. Applied in increasing column order (or all sources gathered first) the moves never
+    overwrite an unread source. Elementwise torch on every device; no host sync.
+    """
+    checks.check_window_kv_moves(order, keep, slots)
+    return reference.window_kv_moves(order, keep, slots)
 
 
 def compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:

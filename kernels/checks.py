@@ -202,6 +202,22 @@ def check_accepted_kv_moves(
     _require_device("tree_base", tree_base, accept_index.device)
 
 
+def check_window_kv_moves(order: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> None:
+    """order [B, W] int64, W >= 1; keep [B] int64; slots [B, W] int64; one device."""
+    _require_tensor("order", order)
+    _require_int64("order", order, "[B, W]", 2)
+    if order.shape[1] == 0:
+        raise ValueError("order must have width W >= 1 (column 0 is the root)")
+    _require_tensor("keep", keep)
+    _require_int64("keep", keep, "[B]", 1)
+    _require_shape("keep", keep, (order.shape[0],), "[B]")
+    _require_device("keep", keep, order.device)
+    _require_tensor("slots", slots)
+    _require_int64("slots", slots, "[B, W]", 2)
+    _require_shape("slots", slots, tuple(order.shape), "[B, W] like order")
+    _require_device("slots", slots, order.device)
+
+
 def check_compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> None:
     """accept_index [B, W] int64, W >= 1; accept_length [B] int64; one device."""
     _require_tensor("accept_index", accept_index)

@@ -218,6 +218,28 @@ def accepted_kv_moves(
     )
 
 
+def window_kv_moves(order: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> KvMoves:
+    """Slot copies that put each request's accepted path at the front of its verify window, in place of
+    permuting slot ids (which pages of several tokens forbid).
+
+    order: [B, W] int64 (`compaction_order`; order[b, k] for k < keep[b] is the path's position at depth k,
+    increasing in k, since a verify row lists parents before children). keep: [B] int64, the path's columns
+    (accepted nodes + 1, root included). slots: [B, W] int64, the window's KV slots, column k at position
+    L_b + k. Column k < keep[b] moves slots[b, order[b, k]] -> slots[b, k]; columns already in place or past
+    the path hold NO_MOVE. Every source column lies at or after its destination column, so applying the moves
+    in increasing column order never overwrites a source before it is read (the same result as gathering all
+    sources first). Returns KvMoves (src, dst [B, W], keep).
+    """
+    width = order.shape[1]
+    column = torch.arange(width, device=order.device)[None, :]
+    moving = (column < keep[:, None]) & (order != column)
+    return KvMoves(
+        src=torch.where(moving, slots.gather(1, order), NO_MOVE),
+        dst=torch.where(moving, slots, NO_MOVE),
+        keep=keep,
+    )
+
+
 def apply_kv_moves(cache: torch.Tensor, moves: KvMoves) -> None:
     """Copy cache rows in place: cache[dst] = cache[src] for every slot that moves.
 

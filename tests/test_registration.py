@@ -233,6 +233,12 @@ def test_bad_options_are_refused_when_parsed(
         prepare_server_args(_argv(models, *extra))
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_kv_resolves(models: dict[str, Path], page_size: int) -> None:
+    """Pages of several tokens are served (a tree commit copies the accepted path's KV, `commit`)."""
+    assert resolved_view(_resolve(_argv(models, "--page-size", str(page_size)))).page_size == page_size
+
+
 def test_incompatible_drafter_is_refused(models: dict[str, Path]) -> None:
     with pytest.raises(
         DrafterMismatchError, match="drafter hidden_size 32 differs from the target's hidden_size 64"
@@ -258,7 +264,6 @@ def test_missing_profile_is_refused_naming_the_file(models: dict[str, Path], tmp
             ("--decode-attention-backend", "triton"),
             "--decode-attention-backend triton: BASTION on cpu .* supported: torch_native",
         ),
-        (("--page-size", "16"), "BASTION needs --page-size 1"),
         (("--speculative-num-draft-tokens", "16"), "--bastion-max-budget 15"),
         (("--context-length", "64", "--bastion-max-budget", "40"), "more than half the context length 64"),
         (("--pp-size", "2"), "BASTION supports --pp-size 1 only, got 2: a decode step drafts"),

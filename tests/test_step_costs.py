@@ -58,6 +58,27 @@ def test_prior_counts_as_pseudo_steps() -> None:
     assert stubborn.costs(l_ar=0.2).t_draft == pytest.approx(0.5, rel=1e-3)  # a heavy prior stays
 
 
+def test_a_cost_the_profile_lacks_raises_the_priors_per_token_line() -> None:
+    """A paged commit's KV copy (seconds per verify token) adds to the prior's slope, not to its intercept,
+    and later measured steps, which include the copy, replace it as they would the prior's own line."""
+    prior = StepCosts(t_draft=0.5, t_aux=0.25, l_ar=1.0, t_aux_per_token=0.125)
+    tracker = StepCostTracker(prior=prior, decay=0.9, prior_weight=10.0)
+    tracker.add_prior_per_token(0.03125)
+    assert tracker.aux_line() == pytest.approx((0.25, 0.15625))
+    assert tracker.aux_token_span() == PRIOR_TOKENS
+    for _ in range(300):
+        tracker.observe(0.01, 0.002 + 0.001 * 4, 4)
+        tracker.observe(0.01, 0.002 + 0.001 * 8, 8)
+    assert tracker.aux_line() == pytest.approx((0.002, 0.001), rel=1e-3)
+    with pytest.raises(ValueError, match="before the first measured step"):
+        tracker.add_prior_per_token(0.01)
+    without_prior = StepCostTracker()
+    without_prior.add_prior_per_token(0.01)
+    assert without_prior.aux_line() == (0.0, 0.0)  # the first measured step prices the copy
+    with pytest.raises(ValueError, match="seconds must be >= 0 per token, got -1"):
+        StepCostTracker(prior=prior).add_prior_per_token(-1)
+
+
 def test_rejects_bad_decay() -> None:
     with pytest.raises(ValueError, match="decay"):
         StepCostTracker(decay=1.0)
