@@ -35,12 +35,14 @@ from transformers import AutoTokenizer
 from bastion_sglang.controller.policies import BudgetPolicy, ChainPolicy, FixedPolicy
 from bastion_sglang.controller.roofline import CPU_HARDWARE
 from bastion_sglang.demo import demo_target_dir
+from bastion_sglang.demo_drafters import assemble_dflash2
 from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
 from bastion_sglang.reference import ReferenceEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = ROOT / "models" / "smollm2-135m-instruct-dflash"
 DFLASH2 = ROOT / "models" / "smollm2-135m-instruct-dflash2"
+"""The demo DFlash2 drafter's parts: its selector over DFLASH's backbone (`demo_drafters`)."""
 CANDIDATES = 8
 """Candidates per position of the K-capped DFlash rows: the DFlash2 drafter's selector_top_k."""
 
@@ -165,12 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target", type=Path, default=None, help="default: the demo target's folder")
     parser.add_argument("--dflash", type=Path, default=DFLASH)
-    parser.add_argument("--dflash2", type=Path, default=DFLASH2)
+    parser.add_argument(
+        "--dflash2", type=Path, help="a complete DFlash2 checkpoint (default: the demo one, assembled)"
+    )
     parser.add_argument("--device-label", default="2-core CPU", help="the machine, in words, for the report")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args(argv)
     if args.target is None:
         args.target = demo_target_dir()
+    if args.dflash2 is None:
+        args.dflash2 = assemble_dflash2(DFLASH2, DFLASH)
     torch.set_num_threads(args.threads)
     report = measure(args)
     print_table(report)

@@ -1,7 +1,8 @@
 """The committed demo DFlash2 drafter (`models/smollm2-135m-instruct-dflash2`, trained by `bastion
-train-drafter --arch dflash2` on the frozen demo DFlash drafter) on the reference engine beside the demo
-target: it fits the size budget, keeps its backbone's weights, and its lattice trees and chain emit exactly
-the target's tokens in fp32, greedy and seeded-sampled, on held-out prompts."""
+train-drafter --arch dflash2` on the frozen demo DFlash drafter, stored as its selector and assembled with
+the DFlash backbone by `demo_drafters.assemble_dflash2`) on the reference engine beside the demo target: it
+fits the size budget, keeps its backbone's weights, and its lattice trees and chain emit exactly the target's
+tokens in fp32, greedy and seeded-sampled, on held-out prompts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from bastion_sglang.controller.roofline import CPU_HARDWARE
+from bastion_sglang.demo_drafters import assemble_dflash2
 from bastion_sglang.drafter_config import DrafterConfig, SelectorConfig
 from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
 from bastion_sglang.reference import ReferenceEngine
@@ -27,11 +29,17 @@ pytest_plugins = ["demo_target"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-DRAFTER = MODELS / "smollm2-135m-instruct-dflash2"
+PARTS = MODELS / "smollm2-135m-instruct-dflash2"
 BACKBONE = MODELS / "smollm2-135m-instruct-dflash"
 MAX_DRAFTER_BYTES = 25 * 1024 * 1024
 NEW_TOKENS = 24
 SAMPLING = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The assembled checkpoint (backbone and selector in one model.safetensors)."""
+    return assemble_dflash2(PARTS, BACKBONE, tmp_path_factory.mktemp("drafters"))
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +54,19 @@ def prompts(demo_target: DemoTarget) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(model: PreTrainedModel) -> ReferenceEngine:
+def engine(model: PreTrainedModel, drafter: Path) -> ReferenceEngine:
     return ReferenceEngine(
-        model, DRAFTER, device="cpu", dtype=torch.float32, hardware=CPU_HARDWARE, max_nodes=64
+        model, drafter, device="cpu", dtype=torch.float32, hardware=CPU_HARDWARE, max_nodes=64
     )
 
 
-def test_the_drafter_fits_the_budget_and_keeps_its_backbone() -> None:
-    assert sum(f.stat().st_size for f in DRAFTER.iterdir()) <= MAX_DRAFTER_BYTES
-    config = DrafterConfig.from_json(DRAFTER)
+def test_the_drafter_fits_the_budget_and_keeps_its_backbone(drafter: Path) -> None:
+    assert sum(f.stat().st_size for f in drafter.iterdir()) <= MAX_DRAFTER_BYTES
+    config = DrafterConfig.from_json(drafter)
     assert config.selector == SelectorConfig(rank=32, top_k=8)
     assert config.model_copy(update={"selector": None}) == DrafterConfig.from_json(BACKBONE)
     weights, backbone = (
-        load_file(str(DRAFTER / "model.safetensors")),
+        load_file(str(drafter / "model.safetensors")),
         load_file(str(BACKBONE / "model.safetensors")),
     )
     assert set(weights) - set(backbone) == {
@@ -67,7 +75,7 @@ def test_the_drafter_fits_the_budget_and_keeps_its_backbone() -> None:
         "candidate_selector.hidden_projection.weight",
     }
     assert all(torch.equal(weights[name], tensor) for name, tensor in backbone.items())
-    summary = read_card_metadata(DRAFTER / "README.md").bastion_training
+    summary = read_card_metadata(drafter / "README.md").bastion_training
     assert summary.acceptance is not None and summary.backbone_acceptance is not None
 
 

@@ -212,7 +212,7 @@ FLOORS: tuple[Floor, ...] = (
     Floor(
         "commands",
         (
-            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve")),
+            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve", "demo_drafters")),
             *_under(f"{_P}.bench"),
             f"{_P}.reference",
             *(f"{_P}.reference.{name}" for name in ("engine", "pair_bench", "sampling", "stats", "target")),
