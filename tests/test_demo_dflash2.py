@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from demo_target import DemoTarget
 
 pytest_plugins = ["demo_target"]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 PARTS = MODELS / "smollm2-135m-instruct-dflash2"
