@@ -103,7 +103,7 @@ def engine_ready_seconds(model: str, drafter: str, mode: str, device: str) -> fl
         dtype="float32",
         disable_cuda_graph=device == "cpu",
         max_total_tokens=16384,
-        mem_fraction_static=0.05 if device == "cpu" else None,
+        mem_fraction_static=0.1 if device == "cpu" else None,
         random_seed=0,
         log_level="warning",
     )
