@@ -2,8 +2,9 @@
 
 Backends triton and flashinfer with CUDA graphs on: BASTION captures a target-verify graph per width bucket
 (`bastion_sglang.graphs`) and pads each step's width up to the next bucket; fixed:N_max verifies at the
-largest bucket, adaptive at varying buckets, and fixed:N with N + 1 between buckets through padding. Skipped
-where CUDA is absent.
+largest bucket, adaptive at varying buckets, and fixed:N with N + 1 between buckets through padding; with
+`--page-size 16` a tree commit copies the accepted path's KV (`bastion_sglang.commit`). Skipped where CUDA is
+absent.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _generate(
-    models: tuple[Path, Path], backend: str, bastion: list[str] | None, log: Path
+    models: tuple[Path, Path], backend: str, bastion: list[str] | None, log: Path, page_size: int = 1
 ) -> list[list[int]]:
     """Start a server (BASTION when `bastion` lists its flags), send the prompts greedily, stop it."""
     target, drafter = models
@@ -44,6 +45,7 @@ def _generate(
         "--dtype", BACKEND_DTYPES[backend],
         "--mem-fraction-static", "0.3",
         "--cuda-graph-max-bs-decode", "8",
+        "--page-size", str(page_size),
     ]  # fmt: skip
     if bastion is not None:
         args += [
@@ -92,3 +94,15 @@ def test_verify_graphs_at_each_bucket_equal_no_speculation(
             assert widths == expected, policy
         replayed |= widths
     assert len(replayed) > 1, replayed
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_DTYPES))
+def test_paged_kv_equals_no_speculation_on_cuda(
+    models: tuple[Path, Path], tmp_path: Path, backend: str
+) -> None:
+    """`--page-size 16`: each tree step copies its accepted path's KV into the request's pages (SGLang's
+    `move_kv_cache`, its Triton copy on CUDA); greedy output equals the non-speculative server's at that page
+    size."""
+    reference = _generate(models, backend, None, tmp_path / "reference.log", page_size=16)
+    flags = ["--bastion-max-budget", "8", "--bastion-policy", "fixed:8", "--bastion-topk", "4"]
+    assert _generate(models, backend, flags, tmp_path / "bastion.log", page_size=16) == reference
