@@ -13,7 +13,7 @@ What (`StartupCalibration.run`), on the server's own target ModelRunner before i
   hold), 1 warm-up and 3 timed rounds; full: `bastion calibrate`'s width grid up to the cap at contexts
   from 64 to 8192 tokens, 2 warm-up and 5 timed rounds; plain decode at every context;
 - the same latency fit and step costs as `bastion calibrate` (`sweep.measure_step_costs`);
-- acceptance (`SglangMeasurement.greedy_records`): quick: 12 prompts and 32 roots each, full: 36 and 48, of
+- acceptance (`SglangMeasurement.greedy_records`): quick: 24 prompts and 32 roots each, full: 36 and 48, of
   ShareGPT's held-out split (no drafter training or default benchmark sees them; as many as the KV pool holds
   at once), the target's greedy continuation in SGLang's own forwards and the drafter's top-K at every root;
   fitted and scored as `bastion calibrate` does (`acceptance_run.fit_held_out`).
@@ -108,7 +108,7 @@ class StartupSettings:
             widths = tuple(sorted({w for w in planning_widths if w >= 2} | {2, cap}))
             contexts = tuple(sorted({min(c, max_context) for c in QUICK_CONTEXTS}))
             sweep = SweepSettings(widths=widths, contexts=contexts, topk=topk, warmup=1, repeats=3)
-            acceptance = AcceptanceSettings(num_prompts=12, max_new_tokens=32, topk=topk)
+            acceptance = AcceptanceSettings(num_prompts=24, max_new_tokens=32, topk=topk)
         else:
             sweep = SweepSettings(
                 widths=width_grid(cap),

@@ -65,7 +65,7 @@ def test_quick_grid_is_the_servers_widths_at_three_contexts() -> None:
     assert settings.sweep.widths == (2, 4, 8, 16, 32, 64, 65)
     assert settings.sweep.contexts == (64, 256, 1024)
     assert (settings.sweep.warmup, settings.sweep.repeats) == (1, 3)
-    assert settings.acceptance.num_prompts == 12 and settings.acceptance.topk == 8
+    assert settings.acceptance.num_prompts == 24 and settings.acceptance.topk == 8
 
 
 def test_quick_grid_keeps_within_what_the_server_holds() -> None:
