@@ -25,6 +25,10 @@ lower level (`Level`), so a worker's stage keeps what SGLang's helpers it calls 
 every region of an open step go to `OUTSIDE`. `paused(role)` stops counting while a model's forward runs
 (the modes are left, so the forward runs at full speed) and counts the forward per role.
 
+With `sites` on, every counted op and sync also names where it was issued: the first frame of the call stack
+outside torch and this module (`StageCounts.sites`, keys like `sync tolist @ sglang/srt/...py:123 fn`), so a
+count can be traced to the line that issues it.
+
 No SGLang here: `step_anatomy_hooks` opens and closes the steps and the regions inside SGLang's scheduler
 process, and the closed steps (`StepCounts`) go to the anatomy's sink.
 """
@@ -32,6 +36,8 @@ process, and the closed steps (`StepCounts`) go to the anatomy's sink.
 from __future__ import annotations
 
 import enum
+import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -99,6 +105,10 @@ class StageCounts(BaseModel):
     views: int = Field(default=0, ge=0, description="aten view ops (no kernel)")
     syncs: dict[str, int] = Field(
         default_factory=dict, description="blocking host reads by kind (`SYNC_METHODS`, `SYNC_OPS` names)"
+    )
+    sites: dict[str, int] = Field(
+        default_factory=dict,
+        description="with sites on: 'op <aten op> @ <file:line function>' or 'sync <kind> @ ...' -> count",
     )
 
     @property
@@ -171,15 +181,45 @@ def _host_copy_target(args: tuple[Any, ...], kwargs: dict[str, Any], spelled: bo
     return torch.device(target).type == "cpu"
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_ROOTS = (os.sep + "site-packages" + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+"""A site's path is shown from the first of these it holds: installed packages, then this repository."""
+
+
+def _skipped(path: str) -> bool:
+    """Frames a site is never named after: this module, torch and the standard library (contextlib, ...)."""
+    if path == __file__ or path.startswith(_TORCH_DIR):
+        return True
+    return path.startswith(_STDLIB_DIR) and "site-packages" not in path
+
+
+def call_site() -> str:
+    """Where the torch call being counted was issued: 'path:line function' of the first frame outside
+    `_skipped`, its path from its package's root ('sglang/srt/...', 'bastion_sglang/...')."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and _skipped(frame.f_code.co_filename):
+        frame = frame.f_back
+    path = frame.f_code.co_filename
+    for root in _ROOTS:
+        if root in path:
+            path = path.rpartition(root)[2]
+            break
+    return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
 class StepAnatomy:
     """Counts each open step's ops and syncs per region (module docstring).
 
     host_tensors_sync: whether reads of host tensors count (True on a CPU run); sink: takes each closed
-    step.
+    step; sites: whether each count also records its call site (`StageCounts.sites`).
     """
 
-    def __init__(self, host_tensors_sync: bool, sink: Callable[[StepCounts], None]) -> None:
+    def __init__(
+        self, host_tensors_sync: bool, sink: Callable[[StepCounts], None], sites: bool = False
+    ) -> None:
         self._host_tensors_sync = host_tensors_sync
+        self._sites = sites
         self._sink = sink
         self._step: _OpenStep | None = None
         self._regions: list[tuple[str, Level]] = []
@@ -284,8 +324,15 @@ class StepAnatomy:
         return self._host_tensors_sync or tensor.device.type != "cpu"
 
     def _add_sync(self, name: str) -> None:
-        syncs = self._counts().syncs
-        syncs[name] = syncs.get(name, 0) + 1
+        counts = self._counts()
+        counts.syncs[name] = counts.syncs.get(name, 0) + 1
+        if self._sites:
+            self._add_site(counts, f"sync {name}")
+
+    @staticmethod
+    def _add_site(counts: StageCounts, what: str) -> None:
+        key = f"{what} @ {call_site()}"
+        counts.sites[key] = counts.sites.get(key, 0) + 1
 
     def _count_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._step is None:
@@ -295,6 +342,8 @@ class StepAnatomy:
             counts.views += 1
         else:
             counts.ops += 1
+            if self._sites:
+                self._add_site(counts, f"op {func.overloadpacket.__name__}")
         sync = SYNC_OPS.get(func.overloadpacket)
         if sync is None or not args or not isinstance(args[0], torch.Tensor):
             return

@@ -61,6 +61,7 @@ class AnatomyRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     records: Path = Field(description="JSON lines file that each decode step's StepCounts is appended to")
+    sites: bool = Field(default=False, description="record each op's and sync's call site (slower)")
 
 
 def attach_request(server_args: Any, request: AnatomyRequest) -> None:
@@ -90,7 +91,8 @@ def _install_if_requested(scheduler: Any, server_args: Any, *args: Any, **kwargs
 
     sgl.require(sgl.STEP_ANATOMY_HOOKS)
     serving_bastion = str(server_args.speculative_algorithm or "").upper() == "BASTION"
-    hooks = AnatomyHooks(StepAnatomy(str(server_args.device) == "cpu", JsonLinesSink(request.records)))
+    anatomy = StepAnatomy(str(server_args.device) == "cpu", JsonLinesSink(request.records), request.sites)
+    hooks = AnatomyHooks(anatomy)
     hooks.install(serving_bastion)
     logger.info("step anatomy: counting every decode step into %s", request.records)
 

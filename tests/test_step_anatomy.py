@@ -5,6 +5,7 @@ them; the hook targets."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import pickle
 import pkgutil
 from pathlib import Path
@@ -204,6 +205,30 @@ def test_nothing_counts_outside_an_open_step_and_an_unnamed_step_is_dropped() ->
     assert one_step(anatomy).index == 0
     x + 1  # the modes are gone after the close
     assert len(records) == 1
+
+
+def test_sites_name_the_line_that_issued_each_op_and_sync() -> None:
+    records: list[StepCounts] = []
+    anatomy = StepAnatomy(True, records.append, sites=True)
+    x = torch.ones(3)
+    anatomy.open_step(1, ("r0",))
+    anatomy.set_kind("skipped")
+    with anatomy.region("commit", Level.STAGE):
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        y = x * 2
+        y.tolist()
+    stage = one_step(anatomy).stages["commit"]
+    here = "tests/test_step_anatomy.py:{} test_sites_name_the_line_that_issued_each_op_and_sync"
+    assert stage.sites == {f"op mul @ {here.format(line)}": 1, f"sync tolist @ {here.format(line + 1)}": 1}
+    assert stage.ops == 1 and stage.syncs == {"tolist": 1}
+
+
+def test_without_sites_no_site_is_recorded() -> None:
+    anatomy, _ = counted()
+    anatomy.open_step(1, ("r0",))
+    anatomy.set_kind("plain")
+    (torch.ones(2) + 1).tolist()
+    assert one_step(anatomy).stages[OUTSIDE].sites == {}
 
 
 def test_the_record_round_trips_through_json() -> None:

@@ -25,6 +25,7 @@ from bastion_sglang.assets import MissingPackageError
 from bastion_sglang.bench.anatomy_report import (
     AnatomyReport,
     AnatomySettings,
+    format_sites,
     format_tables,
     summarize,
     write_report,
@@ -114,13 +115,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("step-anatomy-results"), help="folder for step_anatomy.json"
     )
     parser.add_argument("--sglang-log-level", default="warning", help="log level of the Engines' processes")
+    parser.add_argument(
+        "--sites",
+        action="store_true",
+        help="also record where each op and sync is issued (file:line of the first frame outside torch) and "
+        "print them per policy and step kind; slows the counted steps",
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command with every option spelled out (defaults included), as the report records it."""
     parts = ["bastion", "step-anatomy"]
     for name, value in vars(args).items():
-        if name in ("command", "handler", "verbose") or value is None:
+        if name in ("command", "handler", "verbose") or value is None or value is False:
+            continue
+        if value is True:  # a flag
+            parts.append(f"--{name.replace('_', '-')}")
             continue
         text = ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
         parts += [f"--{name.replace('_', '-')}", text]
@@ -185,7 +195,7 @@ def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
             f"--prompts {args.prompts}: {len(bench.prompt_ids)} prompts, fewer than --concurrency "
             f"{max(concurrencies)}"
         )
-    return AnatomyPlan(bench, concurrencies, args.startup_calibration)
+    return AnatomyPlan(bench, concurrencies, args.startup_calibration, args.sites)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,5 +246,8 @@ def run(args: argparse.Namespace) -> int:
     )
     path = write_report(report, args.out)
     print(format_tables(report))
+    sites = format_sites(report)
+    if sites:
+        print("\n" + sites)
     print(f"\nwrote {path}")
     return 0

@@ -83,6 +83,10 @@ class KindSummary(BaseModel):
     total: RegionSummary
     sync_kinds: dict[str, float] = Field(description="mean syncs per step by kind (item, tolist, ...)")
     forwards: dict[str, float] = Field(description="median model forwards per step by role")
+    sites: dict[str, float] = Field(
+        default_factory=dict,
+        description="with --sites: mean per step of each 'region: op|sync ... @ call site', largest first",
+    )
 
 
 class AnatomySettings(BaseModel):
@@ -142,6 +146,12 @@ def summarize_kind(batch_size: int, policy: str, kind: StepKind, steps: Sequence
             for name, count in stage.syncs.items():
                 sync_totals[name] = sync_totals.get(name, 0) + count
     roles = sorted({role for step in steps for role in step.forwards})
+    site_totals: dict[str, int] = {}
+    for step in steps:
+        for region, stage in step.stages.items():
+            for site, count in stage.sites.items():
+                key = f"{region}: {site}"
+                site_totals[key] = site_totals.get(key, 0) + count
     return KindSummary(
         batch_size=batch_size,
         policy=policy,
@@ -152,6 +162,10 @@ def summarize_kind(batch_size: int, policy: str, kind: StepKind, steps: Sequence
         sync_kinds={name: total / len(steps) for name, total in sorted(sync_totals.items())},
         forwards={
             role: float(statistics.median(step.forwards.get(role, 0) for step in steps)) for role in roles
+        },
+        sites={
+            site: total / len(steps)
+            for site, total in sorted(site_totals.items(), key=lambda item: (-item[1], item[0]))
         },
     )
 
@@ -225,6 +239,20 @@ def format_tables(report: AnatomyReport) -> str:
             + " | ".join(", ".join(f"{role} {n:g}" for role, n in s.forwards.items()) for s in columns)
             + " |"
         )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def format_sites(report: AnatomyReport) -> str:
+    """With --sites: per batch size, policy and kind, where each step's ops and syncs were issued (mean per
+    step, syncs first, then ops; empty when the run recorded no sites)."""
+    blocks = []
+    for summary in report.summaries:
+        if not summary.sites:
+            continue
+        ordered = sorted(summary.sites.items(), key=lambda item: (" sync " not in item[0], -item[1]))
+        lines = [f"Batch {summary.batch_size}, {_column(summary)}: mean per step, by call site"]
+        lines += [f"  {count:6.2f}  {site}" for site, count in ordered]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -43,11 +43,12 @@ ENGINE_OVERRIDES = {"disable_overlap_schedule": True}
 class AnatomyPlan:
     """The validated `bastion step-anatomy` command: the bench's plan of Engines and prompts (`prompt_ids`
     holds at least the largest concurrency), the concurrencies run in turn, and the BASTION Engines'
-    `--bastion-startup-calibration`."""
+    `--bastion-startup-calibration`; sites: whether each count records its call site."""
 
     bench: BenchPlan
     concurrencies: tuple[int, ...]
     startup_calibration: StartupMode
+    sites: bool = False
 
 
 class AnatomyStep(BaseModel):
@@ -86,7 +87,7 @@ def anatomy_server_args(plan: AnatomyPlan, policy: BenchPolicy, records: Path) -
             startup_calibration=plan.startup_calibration,
         )
         attach_config(server_args, config)
-    attach_request(server_args, AnatomyRequest(records=records))
+    attach_request(server_args, AnatomyRequest(records=records, sites=plan.sites))
     return server_args
 
 
