@@ -379,6 +379,30 @@ def demo_startup_calibration(commit: str, sizes: Sizes) -> Item:
     return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
 
 
+STEP_ANATOMY_S = 420
+"""`bastion step-anatomy --sites` of the demo pair on the GPU: three Engines (ar, adaptive, fixed:16), each
+started with its CUDA graphs, one warm-up request and a batch of 1 and of 8 of 64 tokens."""
+
+
+def demo_step_anatomy(commit: str, sizes: Sizes) -> Item:
+    """The CUDA column of the step anatomy: ops (kernel launches) and blocking syncs per region of SGLang's
+    plain decode step and of BASTION's skipped, declined and speculative steps, with the line of each."""
+    name = "demo-step-anatomy"
+    anatomy = (
+        f"python3 -m bastion_sglang.cli step-anatomy --model-path {DEMO_TARGET} --draft-model-path "
+        f"{DEMO_DRAFTER} --policies ar,adaptive,fixed:16 --concurrency 1,8 --max-new-tokens 64 "
+        "--dtype float32 --sites --out $RESULTS/anatomy"
+    )
+    commands = _setup_commands(
+        name, commit, sizes, anatomy, STEP_ANATOMY_S, (DEMO_DRAFTER,), demo_target=True
+    )
+    title = (
+        "step anatomy of the demo pair in SGLang on the GPU: kernel launches and blocking syncs per region "
+        "of a plain, skipped, declined and speculative step, with their call sites"
+    )
+    return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
+
+
 QWEN3_8B_DUMMY = f"--model-path {QWEN3_8B_CONFIG} --load-format dummy"
 MAKE_DRAFTER = (
     f"python3 benchmarks/calibrate_gpu.py --make-drafter {QWEN3_8B_DRAFTER} --target-config {QWEN3_8B_CONFIG}"
@@ -521,6 +545,7 @@ def all_items(commit: str, sizes: Sizes) -> tuple[Item, ...]:
         sglang_cuda(commit, sizes),
         *(demo_pair(commit, sizes, c, half) for c in CONCURRENCIES for half in ("a", "b")),
         demo_startup_calibration(commit, sizes),
+        demo_step_anatomy(commit, sizes),
         *(qwen3_8b_dummy(commit, sizes, part) for part in ("calibrate", "anatomy-c1-c8", "anatomy-c32")),
         qwen3_8b_synthetic(commit, sizes),
         controller_bench(commit, sizes),
