@@ -1,10 +1,19 @@
-"""The draft stage of a decode step: the DFlash drafter's one pass and the top-K candidates per position.
+"""The draft stage of a decode step: the DFlash drafter's one pass, then the top-K candidates per position or,
+for a DFlash2 drafter, its candidate lattice.
 
 The drafter runs over each request's block [root, MASK x (γ-1)] at positions L_b..L_b+γ-1 (SGLang's DFlash
-draft forward, `spec_input.prepare_draft_forward`); the target's LM head turns the first h of the γ-1
-positions after the root into logits [B, h, V] (h: the draft horizon, `controller.horizon`; under TP the head
-is sharded by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them;
-`kernels.topk_logprobs` keeps K candidates per position. Nothing is read back to the host here.
+draft forward, `spec_input.prepare_draft_forward`); the first h of the γ-1 positions after the root are
+drafted (h: the draft horizon, `controller.horizon`).
+- DFlash: the target's LM head turns their hidden states into logits [B, h, V] (under TP the head is sharded
+  by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them;
+  `kernels.topk_logprobs` keeps K candidates per position (`DraftTopK`).
+- DFlash2: SGLang's own selector path (`sglang_adapter.selector_lattice`: `compute_candidates`, then
+  `CandidateSelector.build_lattice` anchored at the roots) gives the K candidates of each position and the
+  scores between adjacent positions' candidates; the transitions are their temperature-1 log-probs
+  (`controller.lattice_tree.selector_logprobs`) and the unary log-probs the log-softmax over the vocabulary
+  of the transformed head logits, read at the candidates, as the reference engine's `DFlash2Proposer`
+  computes them (`DraftLattice`).
+Nothing is read back to the host here.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ import torch
 
 from bastion_sglang import kernels
 from bastion_sglang import sglang_adapter as sgl
+from bastion_sglang.controller.lattice_tree import selector_logprobs
 from bastion_sglang.draft_protocols import DraftLogitsRewriter
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.rank_sync import DraftHead
 from bastion_sglang.sglang_adapter import DFlashWorkerV2, draft_tp_context
 from bastion_sglang.spec_input import prepare_draft_forward
@@ -29,7 +40,9 @@ class DrafterForward:
     """The draft stage of `worker` (a DFlashWorkerV2 whose drafter runs blocks of `block_size` tokens).
 
     Holds the persistent block buffer ([max_batch, γ] int64: column 0 takes each step's roots, the rest stay
-    MASK), the embedding the drafter reads, the target's LM head as the draft head, and the rewriter.
+    MASK), the embedding the drafter reads, the target's LM head as the draft head, the rewriter, and a
+    DFlash2 drafter's candidate selector (None for DFlash). A DFlash2 drafter's `lm_head` is pointed at the
+    target's here; its lattice takes no rewriter (ValueError).
     """
 
     def __init__(
@@ -54,18 +67,37 @@ class DrafterForward:
         self._draft_head = draft_head
         self._branching = branching
         self._rewriter = rewriter
+        self._selector = sgl.dflash2_selector(worker)
+        if self._selector is not None:
+            if rewriter is not None:
+                raise ValueError(
+                    "a DraftLogitsRewriter (BastionConfig.draft_proposer) rewrites DFlash draft logits "
+                    "[B, h, V]; this DFlash2 drafter drafts a candidate lattice, which it cannot rewrite"
+                )
+            sgl.attach_selector_head(worker, worker.model_runner.model.lm_head)
 
-    def top_k(self, inputs: DecodeInputs, horizon: int, contexts: Sequence[int]) -> kernels.DraftTopK:
-        """The drafter's K best candidates for the first h = `horizon` positions after each root of the
-        step's batch: DraftTopK [B, h, K] log-probs and ids. contexts: [B] committed lengths (host), for the
+    @property
+    def drafts_lattices(self) -> bool:
+        """Whether the drafter is a DFlash2 drafter (its drafts are `DraftLattice`s)."""
+        return self._selector is not None
+
+    def draft(self, inputs: DecodeInputs, horizon: int, contexts: Sequence[int]) -> DraftTopK | DraftLattice:
+        """The draft of the first h = `horizon` positions after each root of the step's batch: DraftTopK
+        [B, h, K] log-probs and ids (DFlash), or DraftLattice [B, h, K] candidates with [B, h, K, K]
+        transitions (DFlash2, K its selector's top_k). contexts: [B] committed lengths (host), for the
         rewriter."""
-        logits = self.logits(inputs, horizon)
+        hidden = self._hidden_states(inputs, horizon)
+        with torch.inference_mode(), draft_tp_context(self._worker.draft_parallel_layout):
+            if self._selector is not None:
+                return self._lattice(hidden, inputs.roots)
+            logits = self._draft_head(hidden)
         if self._rewriter is not None:
             logits = self._rewriter(inputs.batch.reqs, logits, contexts)
         return kernels.topk_logprobs(logits, self._branching)
 
-    def logits(self, inputs: DecodeInputs, horizon: int) -> torch.Tensor:
-        """Drafter logits [B, h, V] for the first h = `horizon` of the γ-1 positions after each root.
+    def _hidden_states(self, inputs: DecodeInputs, horizon: int) -> torch.Tensor:
+        """The drafter's final hidden states [B, h, H] of the first h = `horizon` of the γ-1 positions after
+        each root.
 
         The block [root, MASK x (γ-1)] is written to the drafter KV at slots req_to_token[r, L : L + γ]
         (overwritten by the commit later).
@@ -90,7 +122,15 @@ class DrafterForward:
         )
         with torch.inference_mode(), draft_tp_context(worker.draft_parallel_layout):
             draft_out = worker.draft_model_runner.forward(forward_batch)
-            hidden = draft_out.logits_output.hidden_states.view(bs, block_ids.shape[1], -1)[
-                :, 1 : 1 + horizon
-            ]
-            return self._draft_head(hidden)
+            return draft_out.logits_output.hidden_states.view(bs, block_ids.shape[1], -1)[:, 1 : 1 + horizon]
+
+    def _lattice(self, hidden: torch.Tensor, roots: torch.Tensor) -> DraftLattice:
+        """The DFlash2 lattice (module docstring) of hidden [B, h, H] after roots [B] int64: candidates and
+        unary log-probs [B, h, K], transitions [B, h, K, K] float32."""
+        draft_model = self._worker.draft_model
+        candidate_ids, scores = sgl.selector_lattice(draft_model, hidden, roots)
+        unary = torch.log_softmax(sgl.transform_unary_logits(draft_model, self._draft_head(hidden)), dim=-1)
+        return DraftLattice(
+            unary=DraftTopK(unary.gather(-1, candidate_ids), candidate_ids),
+            transitions=selector_logprobs(scores, 1.0),
+        )

@@ -160,6 +160,20 @@ def worker_acceptance(
     return calibration
 
 
+def planning_acceptance(
+    resolved: ResolvedProfile, draft_model_path: str | None, lattice_drafts: bool
+) -> AcceptanceCalibration | None:
+    """The acceptance calibration the worker plans with: `worker_acceptance`'s, or None for a DFlash2 drafter
+    (lattice_drafts), whose lattices are planned on their raw transition log-probs (`lattice_plan`)."""
+    if not lattice_drafts:
+        return worker_acceptance(resolved, draft_model_path)
+    logger.info(
+        "BASTION: DFlash2 drafter: planning on its lattices' raw transition log-probs (no acceptance "
+        "calibration), corrected online"
+    )
+    return None
+
+
 def worker_step_controller(
     config: BastionConfig,
     server_args: ServerArgs,
@@ -170,12 +184,15 @@ def worker_step_controller(
     width_buckets: Sequence[int] | None,
     metrics: BastionMetrics | None,
     startup: StartupCalibration | None = None,
+    lattice_drafts: bool = False,
 ) -> StepController:
     """The worker's step controller: the latency model and acceptance calibration of its profile, a step-cost
     tracker seeded with the profile's costs (T_draft rescaled per request, `draft_seconds_per_request`), the
     config's policy and budget, and a draft horizon (fixed-size policies keep every position: their trees stay
     DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`; startup: how
-    this server calibrates itself when it has no profile (None: it does not)."""
+    this server calibrates itself when it has no profile (None: it does not); lattice_drafts: whether the
+    drafter is a DFlash2 drafter, whose lattices are planned without an acceptance calibration
+    (`lattice_plan`)."""
     resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
     latency, profile_costs = worker_latency_model(
         config, server_args, target_config, dtype, device, width_buckets, resolved
@@ -197,7 +214,7 @@ def worker_step_controller(
         policy=config.policy,
         budget=config.max_budget,
         horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
-        acceptance=worker_acceptance(resolved, server_args.speculative_draft_model_path),
+        acceptance=planning_acceptance(resolved, server_args.speculative_draft_model_path, lattice_drafts),
         branching=config.branching,
         device=device,
         metrics=metrics,

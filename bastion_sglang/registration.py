@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from sglang.srt.managers.overlap_utils import FutureMap
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
+    from bastion_sglang.drafter_config import SelectorConfig
+
 logger = logging.getLogger(__name__)
 
 MAX_BUDGET_LIMIT = 1024
@@ -506,7 +508,7 @@ def handle_server_args(server_args: Any) -> None:
         draft_hf_config.to_dict(), target_num_layers=int(target_hf_config.num_hidden_layers)
     )
     check_drafter_fits(drafter, target_hf_config.to_dict())
-    check_draft_logits_supported(draft_hf_config)
+    check_draft_logits_supported(draft_hf_config, drafter.selector, int(cfg.tp_size or 1))
     check_heads_split(int(cfg.tp_size or 1), target=target_hf_config, drafter=draft_hf_config)
 
     width_cap = config.verify_width_cap
@@ -555,26 +557,40 @@ def handle_server_args(server_args: Any) -> None:
         )
 
 
-def check_draft_logits_supported(draft_hf_config: Any) -> None:
-    """Refuse a drafter whose DFlash config makes SGLang's draft distributions something other than
-    softmax(hidden_states @ lm_head.T), which is what BASTION's draft step computes: a candidate selector
-    (`selector_rank`), an `output_multiplier` other than 1, `final_logit_softcapping`, or the Domino
-    projector (`projector_type`). Raises ValueError naming the field."""
+def check_draft_logits_supported(
+    draft_hf_config: Any, selector: SelectorConfig | None = None, tp_size: int = 1
+) -> None:
+    """Refuse a drafter whose draft distributions BASTION's draft stage would not compute as SGLang does.
+
+    A plain DFlash drafter (selector None) is drafted as softmax(hidden_states @ lm_head.T); SGLang's plain
+    `DFlashDraftModel` ignores `selector_rank`, `output_multiplier` and `final_logit_softcapping` (its greedy
+    draft takes the raw argmax), while BASTION's trees would read probabilities they were meant to reshape,
+    so each is refused. A DFlash2 drafter (selector: its `drafter_config.SelectorConfig`) honours all three
+    through SGLang's own `compute_candidates` and `build_lattice` (`drafter_forward`), on one TP rank: its
+    lattice under --tp-size > 1 is not served. The Domino projector (`projector_type`) is refused on both.
+    Raises ValueError naming the field (or the architecture and the TP size)."""
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
 
     parsed = parse_dflash_draft_config(draft_hf_config=draft_hf_config)
-    unsupported = {
-        "selector_rank": parsed.selector_rank if parsed.selector_rank else None,
-        "output_multiplier": parsed.output_multiplier if parsed.output_multiplier != 1.0 else None,
-        "final_logit_softcapping": parsed.final_logit_softcapping,
-        "projector_type": parsed.projector_type if parsed.is_domino else None,
-    }
+    unsupported = {"projector_type": parsed.projector_type if parsed.is_domino else None}
+    if selector is None:
+        unsupported |= {
+            "selector_rank": parsed.selector_rank if parsed.selector_rank else None,
+            "output_multiplier": parsed.output_multiplier if parsed.output_multiplier != 1.0 else None,
+            "final_logit_softcapping": parsed.final_logit_softcapping,
+        }
     for field, value in unsupported.items():
         if value is not None:
             raise ValueError(
                 f"{ALGORITHM} does not support the drafter's dflash_config.{field} = {value!r}: its draft "
                 "logits bypass it. Serve this drafter with --speculative-algorithm DFLASH"
             )
+    if selector is not None and tp_size > 1:
+        raise ValueError(
+            f"{ALGORITHM} serves a DFlash2 drafter ({selector.architecture}) with --tp-size 1 only, got "
+            f"--tp-size {tp_size}: its candidate lattice is drafted on one rank. Use --tp-size 1, or "
+            "--speculative-algorithm DFLASH"
+        )
 
 
 def check_heads_split(tp_size: int, **hf_configs: Any) -> None:

@@ -105,8 +105,22 @@ _RUNNER = "sglang.srt.model_executor.model_runner"
 _FORWARD = "sglang.srt.model_executor.forward_batch_info"
 _RUNTIME = "sglang.srt.runtime_context"
 
+_DFLASH_MODELS = "sglang.srt.models.dflash"
+
 SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals(_DFLASH, "DFlashWorkerV2", "_resolve_dflash_embedding_module"),
+    _call(_DFLASH, "_selector_lattice", None, "draft_model", "pred_hidden", "anchor_token_ids"),
+    *_members(_DFLASH_MODELS, "DFlashDraftModel", "candidate_selector"),
+    *_members(
+        _DFLASH_MODELS,
+        "DFlash2DraftModel",
+        "compute_candidates",
+        "_transform_unary_logits",
+        "candidate_selector",
+        "lm_head",
+    ),
+    *_members(_DFLASH_MODELS, "CandidateSelector", "build_lattice", "top_k"),
+    *_internals("sglang.srt.lora.layers", "unwrap_lora_layer"),
     *_members(
         _DFLASH,
         "DFlashWorkerV2",
@@ -776,6 +790,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.overlap_utils import FutureMap
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
@@ -802,7 +817,7 @@ from sglang.srt.runtime_context import (
     get_spec,
 )
 from sglang.srt.sampling import penaltylib
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _selector_lattice
 from sglang.srt.speculative.dflash_worker_v2 import (
     _resolve_dflash_embedding_module as resolve_dflash_embedding_module,
 )
@@ -956,6 +971,38 @@ def attention_backend_of(model_runner: ModelRunner) -> AttentionBackend:
 def set_draft_block_size(worker: DFlashWorkerV2, block_size: int) -> None:
     """Make the DFlash draft model run blocks of `block_size` tokens (root + MASK x (block_size - 1))."""
     worker.draft_model.set_block_size(block_size)
+
+
+def dflash2_selector(worker: DFlashWorkerV2) -> torch.nn.Module | None:
+    """The drafter's candidate selector (SGLang's `CandidateSelector`) when it is a DFlash2 drafter; None for
+    a plain DFlash drafter."""
+    return worker.draft_model.candidate_selector
+
+
+def attach_selector_head(worker: DFlashWorkerV2, lm_head: torch.nn.Module) -> None:
+    """Point the DFlash2 drafter's `lm_head` at the target's head `lm_head` (a LoRA wrapper unwrapped), which
+    `compute_candidates` reads. DFlash does this in `_maybe_build_draft_sampler` (or its eager selector
+    path), neither of which BASTION runs."""
+    worker.draft_model.lm_head = unwrap_lora_layer(lm_head)
+
+
+def selector_lattice(
+    draft_model: torch.nn.Module, hidden: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's DFlash2 lattice (`_selector_lattice`): `compute_candidates` (the target head's top-K of each
+    slot, their unary logits transformed by the drafter's multiplier and softcap) then
+    `CandidateSelector.build_lattice` with slot 0 anchored at `anchors`.
+
+    hidden: [B, D, H] the drafter's final hidden states of the D slots; anchors: [B] int64 (the roots).
+    Returns candidate ids [B, D, K] int64 and scores [B, D, K, K] float32.
+    """
+    return _selector_lattice(draft_model=draft_model, pred_hidden=hidden, anchor_token_ids=anchors)
+
+
+def transform_unary_logits(draft_model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """A DFlash2 drafter's transform of raw head logits [..., V] (`_transform_unary_logits`: the output
+    multiplier, then the softcap); float32 [..., V], computed in place when `logits` is float32 already."""
+    return draft_model._transform_unary_logits(logits)
 
 
 def kv_index_translator(model_runner: ModelRunner) -> KVIndexTranslator:

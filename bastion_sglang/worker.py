@@ -36,6 +36,8 @@ from bastion_sglang.draft_context import ContextRows
 from bastion_sglang.draft_protocols import load_draft_logits_rewriter
 from bastion_sglang.drafter_forward import DrafterForward
 from bastion_sglang.graph_buckets import planning_widths, real_rows
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
+from bastion_sglang.lattice_plan import plan_draft
 from bastion_sglang.metrics import BastionMetrics, scheduler_metric_labels
 from bastion_sglang.planning_setup import worker_step_controller
 from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
@@ -138,6 +140,7 @@ class BastionWorker(DFlashWorkerV2):
             planning_widths(self._target.graph_widths, config.verify_width_cap),
             self._metrics,
             self._startup_calibration(),
+            self._drafter.drafts_lattices,
         )
         if self._page_size > 1:
             copy_seconds = kv_copy_seconds_per_token(self, config.verify_width_cap)
@@ -234,27 +237,32 @@ class BastionWorker(DFlashWorkerV2):
         )
         # drafting is a collective under TP: every rank scores rank 0's horizon (0: no drafter pass)
         horizon = self._rank_sync.share_horizon(controller.draft_horizon(step, self._rank_sync.leads))
-        top = None
+        draft = None
         if horizon > 0:
             with controller.timer.stage("draft"):
                 self._context.write_held()  # the drafter reads every committed token
-                top = self._drafter.top_k(step_inputs, horizon, contexts)
+                draft = self._drafter.draft(step_inputs, horizon, contexts)
         with controller.timer.stage("plan"):
-            planned, tree_pass = self._plan(step_inputs, step, top)
+            planned, tree_pass = self._plan(step_inputs, step, draft)
         if tree_pass is None:
-            return self._plain_step(step_inputs, step, drafted=top is not None)
+            return self._plain_step(step_inputs, step, drafted=draft is not None)
         return self._tree_step(step_inputs, step, planned, tree_pass)
 
     def _plan(
-        self, inputs: DecodeInputs, step: StepStart, top: kernels.DraftTopK | None
+        self, inputs: DecodeInputs, step: StepStart, draft: DraftTopK | DraftLattice | None
     ) -> tuple[StepPlan | None, TreePass | None]:
         """The step's plan (None: the drafter did not run) and, when it verifies draft nodes, its laid-out
-        verify pass (None: a width-1 step). Under TP rank 0 plans and every rank takes its rows."""
-        if top is None:
+        verify pass (None: a width-1 step). draft: [B, h, K] top-K (DFlash) or a [B, h, K, K] lattice
+        (DFlash2), planned through `lattice_plan.plan_draft`. Under TP rank 0 plans and every rank takes its
+        rows (DFlash2 drafters run on one rank: `registration.check_draft_logits_supported`)."""
+        if draft is None:
             self._controller.record(step, None)
             return None, None
         leads = self._rank_sync.leads
-        planned = self._controller.plan(step, top) if leads else self._controller.plain(step, top)
+        if leads:
+            planned = plan_draft(self._controller, step, draft, self.config.branching)
+        else:
+            planned = self._controller.plain(step, draft if isinstance(draft, DraftTopK) else draft.unary)
         local_rows = (
             kernels.flatten_trees(planned.trees, inputs.roots, planned.plan.width)
             if planned.trees is not None

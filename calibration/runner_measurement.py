@@ -9,9 +9,12 @@ server's own (`startup`).
 - T_draft: the reference engine's DFlash drafter (`bastion_sglang.reference.drafter`) on the same device,
   reading the SGLang target's embedding and LM head weights; its context K/V come from random features
   (values do not change the cost). The worker drafts through SGLang's DFlash draft runner instead, which has
-  no single-pass entry point; the FLOPs and bytes are the same, the kernels are not;
+  no single-pass entry point; the FLOPs and bytes are the same, the kernels are not. A DFlash2 drafter is
+  timed with its candidate selector (`reference.lattice_proposer.DFlash2Proposer`), and the sweep's trees
+  are built over its lattice's unary top-K;
 - acceptance records (`greedy_records`): the target's greedy continuations in SGLang's own forwards and the
-  same drafter on the target's real features.
+  same drafter on the target's real features. None for a DFlash2 drafter (ValueError): its lattice is
+  planned on its raw transition log-probs, and an acceptance map is fitted on top-K records.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
     from bastion_sglang.reference.proposer import DFlashProposer
 
 logger = logging.getLogger(__name__)
@@ -119,9 +123,12 @@ class SglangMeasurement:
 
     @torch.no_grad()
     def draft(self, k: int) -> DraftTopK:
+        """One drafter pass after the context: DraftTopK [1, D, k]; for a DFlash2 drafter its lattice's unary
+        [1, D, K] (K: the selector's top_k), the selector timed with the pass."""
         from bastion_sglang.draft_protocols import DraftInput
 
-        return self._proposer.propose(DraftInput(self._committed, self._no_features), k)
+        proposal = self._proposer.propose(DraftInput(self._committed, self._no_features), k)
+        return proposal if isinstance(proposal, DraftTopK) else proposal.unary
 
     def _require_batch(self) -> ScheduleBatch:
         if self._batch is None:
@@ -171,8 +178,14 @@ class SglangMeasurement:
         prompt, one drafter pass per root. Returns, per prompt, one record per root r: the drafter pass whose
         root is generated token r ([D, topk] log-probs and ids, host float32) and the target's next D tokens
         (fewer where the output ends at one of `eos_ids`, as a server's request would; no root after it).
-        The KV pools are emptied first and hold these prompts afterwards.
+        The KV pools are emptied first and hold these prompts afterwards. ValueError for a DFlash2 drafter
+        (module docstring).
         """
+        if self._proposer.drafter.candidate_selector is not None:
+            raise ValueError(
+                "a DFlash2 drafter's lattice is planned on its raw transition log-probs; no acceptance map "
+                "is fitted for it"
+            )
         from bastion_sglang.sglang_adapter import CaptureHiddenMode, ForwardBatch
         from bastion_sglang.spec_input import plain_decode_forward
 
@@ -302,10 +315,11 @@ def _prompt_batch(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> Sche
 
 def _drafter_on_target(
     draft_path: str | Path, runner: ModelRunner, vocab: int, device: torch.device, dtype: torch.dtype
-) -> DFlashProposer:
+) -> DFlashProposer | DFlash2Proposer:
     """The reference DFlash drafter for T_draft (module docstring) on the SGLang target's embedding and
-    LM head weights (no copy)."""
+    LM head weights (no copy): a DFlash2Proposer for a DFlash2 drafter, else a DFlashProposer."""
     from bastion_sglang.reference.drafter import DFlashDrafter
+    from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
     from bastion_sglang.reference.proposer import DFlashProposer
 
     model = runner.model
@@ -314,4 +328,5 @@ def _drafter_on_target(
     head_weight = model.lm_head.weight[:vocab]
     head = nn.Linear(head_weight.shape[1], vocab, bias=False, device="meta")
     head.weight = nn.Parameter(head_weight, requires_grad=False)
-    return DFlashProposer(drafter, model.get_input_embeddings(), head)
+    source = DFlashProposer if drafter.candidate_selector is None else DFlash2Proposer
+    return source(drafter, model.get_input_embeddings(), head)

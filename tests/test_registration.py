@@ -25,12 +25,13 @@ from sglang.srt.arg_groups.resolution_hooks import run_hook
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang.config import config_of
 from bastion_sglang.controller import FixedPolicy
 from bastion_sglang.controller.profile import ProfileError
-from bastion_sglang.drafter_config import DrafterMismatchError
+from bastion_sglang.drafter_config import DrafterMismatchError, SelectorConfig
 from bastion_sglang.registration import BastionSpecAlgo, check_draft_logits_supported
 
 load_plugins()
@@ -45,6 +46,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "target": target,
         "drafter": make_tiny_drafter(root / "drafter", target, target_layer_ids=[0, 2]),
         "foreign_drafter": make_tiny_drafter(root / "foreign", other, target_layer_ids=[0, 2]),
+        "dflash2": make_tiny_dflash2_drafter(
+            root / "dflash2", target, output_multiplier=0.5, final_logit_softcapping=3.0
+        ),
     }
 
 
@@ -291,7 +295,11 @@ def test_unsupported_setups_are_refused_at_resolution(
         ("projector_type", "domino"),
     ],
 )
-def test_drafters_whose_draft_logits_bastion_bypasses_are_refused(field: str, value: object) -> None:
+def test_plain_dflash_drafters_whose_draft_logits_bastion_bypasses_are_refused(
+    field: str, value: object
+) -> None:
+    """On SGLang's plain DFlashDraftModel these fields change nothing (its greedy draft takes the raw argmax)
+    while BASTION's trees would read the distribution they were meant to reshape."""
     dflash = {"target_layer_ids": [0, 2], field: value}
     if field == "selector_rank":
         dflash["selector_top_k"] = 8
@@ -304,6 +312,49 @@ def test_drafters_whose_draft_logits_bastion_bypasses_are_refused(field: str, va
 
 def test_a_plain_dflash_drafter_is_accepted() -> None:
     check_draft_logits_supported({"num_hidden_layers": 2, "dflash_config": {"output_multiplier": 1.0}})
+
+
+DFLASH2_SELECTOR = SelectorConfig(rank=4, top_k=8, output_multiplier=2.0, final_logit_softcapping=30.0)
+DFLASH2_FIELDS = {
+    "selector_rank": 4,
+    "selector_top_k": 8,
+    "output_multiplier": 2.0,
+    "final_logit_softcapping": 30.0,
+}
+
+
+def test_a_dflash2_drafters_selector_fields_are_honoured() -> None:
+    config = {
+        "num_hidden_layers": 2,
+        "block_size": 8,
+        "dflash_config": {"target_layer_ids": [0, 2]} | DFLASH2_FIELDS,
+    }
+    check_draft_logits_supported(config, DFLASH2_SELECTOR)
+
+
+def test_a_dflash2_drafter_with_a_domino_projector_is_refused() -> None:
+    domino = {
+        "projector_type": "domino",
+        "gru_hidden_dim": 16,
+        "emb_dim": 16,
+        "pure_draft_prefix_len": 1,
+        "shift_label": True,
+    }
+    config = {"num_hidden_layers": 2, "block_size": 8, "dflash_config": DFLASH2_FIELDS | domino}
+    with pytest.raises(ValueError, match=r"dflash_config\.projector_type"):
+        check_draft_logits_supported(config, DFLASH2_SELECTOR)
+
+
+def test_a_dflash2_drafter_resolves(models: dict[str, Path]) -> None:
+    view = resolved_view(_resolve(_argv(models, drafter="dflash2")))
+    assert view.speculative_dflash_block_size == 16
+
+
+def test_a_dflash2_drafter_under_tensor_parallel_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(
+        ValueError, match=r"DFlash2 drafter \(DFlash2DraftModel\) with --tp-size 1 only, got --tp-size 2"
+    ):
+        _resolve(_argv(models, "--tp-size", "2", drafter="dflash2"))
 
 
 # ---- the attention backend: chosen when not given, refused only when named ---------------------------
