@@ -321,8 +321,8 @@ def _selector_prose(
         "## Use",
         "",
         "The reference engine plans trees over its lattice:",
-        f'`bastion_sglang.reference.ReferenceEngine(target, "models/{name}", ...)`. SGLang\'s BASTION',
-        "worker refuses DFlash2 drafters at start-up until its lattice path is in place.",
+        f'`bastion_sglang.reference.ReferenceEngine(target, "models/{name}", ...)`; so does SGLang\'s BASTION',
+        f"worker: `--speculative-algorithm BASTION --speculative-draft-model-path models/{name}`.",
         "",
     ]
     return "\n".join(lines)
