@@ -133,18 +133,19 @@ class Acceptor:
         rows: RowLogits,
         contexts: list[int],
         seeds: torch.Tensor,
-        prefix: torch.Tensor,
+        seq_lens: torch.Tensor,
+        commit_lens: torch.Tensor,
     ) -> RootTargets:
         """The target's token after each root of a width-1 step, recorded as the step's output. logits:
-        [B, V] the roots' logits (processed here, in place); seeds: [B]; prefix: [B] committed lengths."""
+        [B, V] the roots' logits (processed here, in place); seeds: [B]; seq_lens: [B] L_b + 1, the position
+        of each target token; commit_lens: [B] int32 ones (one token each)."""
         self.process_logits(batch, logits, rows, contexts)
-        positions = (prefix + 1)[:, None]  # [B, 1] the position of each target token
-        probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, positions)
+        probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, seq_lens[:, None])
         if probs is None:
             targets = torch.argmax(logits, dim=-1)
         else:
             targets = kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
-        self.recent_outputs.record(batch.reqs, targets[:, None], torch.ones_like(targets, dtype=torch.int32))
+        self.recent_outputs.record(batch.reqs, targets[:, None], commit_lens)
         return RootTargets(targets, probs)
 
     def walk(

@@ -86,7 +86,7 @@ class DrafterForward:
         [B, h, K] log-probs and ids (DFlash), or DraftLattice [B, h, K] candidates with [B, h, K, K]
         transitions (DFlash2, K its selector's top_k). contexts: [B] committed lengths (host), for the
         rewriter."""
-        hidden = self._hidden_states(inputs, horizon)
+        hidden = self._hidden_states(inputs, horizon, sum(contexts))
         with torch.inference_mode(), draft_tp_context(self._worker.draft_parallel_layout):
             if self._selector is not None:
                 return self._lattice(hidden, inputs.roots)
@@ -95,9 +95,9 @@ class DrafterForward:
             logits = self._rewriter(inputs.batch.reqs, logits, contexts)
         return kernels.topk_logprobs(logits, self._branching)
 
-    def _hidden_states(self, inputs: DecodeInputs, horizon: int) -> torch.Tensor:
+    def _hidden_states(self, inputs: DecodeInputs, horizon: int, prefix_sum: int) -> torch.Tensor:
         """The drafter's final hidden states [B, h, H] of the first h = `horizon` of the γ-1 positions after
-        each root.
+        each root. prefix_sum: Σ L_b, the batch's committed tokens.
 
         The block [root, MASK x (γ-1)] is written to the drafter KV at slots req_to_token[r, L : L + γ]
         (overwritten by the commit later).
@@ -116,6 +116,7 @@ class DrafterForward:
             block_ids,
             embeds,
             inputs.prefix,
+            prefix_sum,
             inputs.rows_index,
             self._block_offsets,
             self._block_spec_info,

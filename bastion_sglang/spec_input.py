@@ -241,16 +241,17 @@ def prepare_verify_forward(
     custom_mask: torch.Tensor,
     slots: torch.Tensor,
     prefix_cpu: torch.Tensor,
+    prefix_sum: int,
 ) -> tuple[ForwardBatch, bool]:
     """The target's TARGET_VERIFY ForwardBatch over W tokens per request, attention planned; the forward
     itself is the caller's (the worker's scheduler path, or calibration's bare model runner).
 
     tokens, positions: [B, W] int64 (verify rows, column 0 = root); custom_mask: the flat ancestor mask
     (`kernels.flat_custom_mask`); slots: [B, W] int64 KV slots the pass writes; prefix_cpu: [B] int64 host
-    copy of the committed lengths. Sets batch.out_cache_loc, input_ids, spec_info and forward_mode. While the
-    attention is planned, batch.seq_lens_cpu / seq_lens_sum bound what the pass attends to (prefix + W, as
-    SGLang's backends size their metadata from them); they are restored before it returns. Returns
-    (forward batch, whether a captured CUDA graph runs it).
+    copy of the committed lengths, prefix_sum their sum (a host int). Sets batch.out_cache_loc, input_ids,
+    spec_info and forward_mode. While the attention is planned, batch.seq_lens_cpu / seq_lens_sum bound
+    what the pass attends to (prefix + W, as SGLang's backends size their metadata from them); they are
+    restored before it returns. Returns (forward batch, whether a captured CUDA graph runs it).
     """
     width = int(tokens.shape[1])
     verify_input = BastionVerifyInput(
@@ -262,7 +263,7 @@ def prepare_verify_forward(
     batch.out_cache_loc = slots.reshape(-1)
     saved = batch.seq_lens_cpu, batch.seq_lens_sum
     batch.seq_lens_cpu = prefix_cpu + width  # host bound: prefix plus this pass's tokens
-    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    batch.seq_lens_sum = prefix_sum + width * int(tokens.shape[0])
     try:
         return verify_input.prepare_for_verify(batch, model_runner)
     finally:
@@ -288,25 +289,28 @@ def plain_decode_forward(
     model_runner: ModelRunner,
     tokens: torch.Tensor,
     slots: torch.Tensor,
-    prefix: torch.Tensor,
+    seq_lens: torch.Tensor,
     prefix_cpu: torch.Tensor,
+    seq_lens_sum: int,
 ) -> Iterator[ForwardBatch]:
     """The target's plain DECODE ForwardBatch of one token per request, as SGLang builds it without
     speculation (no tree mask, no verify layout), with every hidden state captured (the drafter's features);
     run the forward inside the block.
 
-    tokens: [B] the roots (bonus tokens); slots: [B] KV slots at position L_b; prefix: [B] committed lengths
-    L_b (prefix_cpu: their host copy). The batch fields of PLAIN_DECODE_FIELDS are restored on exit.
+    tokens: [B] the roots (bonus tokens); slots: [B] KV slots at position L_b; seq_lens: [B] int64 L_b + 1,
+    the lengths with the roots; prefix_cpu: [B] the committed lengths L_b on the host; seq_lens_sum:
+    Σ (L_b + 1), a host int (nothing is summed here). The batch fields of PLAIN_DECODE_FIELDS are restored on
+    exit.
     """
     saved = {name: getattr(batch, name) for name in PLAIN_DECODE_FIELDS}
     batch.forward_mode = ForwardMode.DECODE
     batch.spec_info = None
     batch.input_ids = tokens
     batch.out_cache_loc = slots
-    batch.seq_lens = (prefix + 1).to(saved["seq_lens"].dtype)
+    batch.seq_lens = seq_lens.to(saved["seq_lens"].dtype)
     batch.seq_lens_cpu = prefix_cpu + 1
     batch.orig_seq_lens = batch.seq_lens.to(saved["orig_seq_lens"].dtype)
-    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    batch.seq_lens_sum = seq_lens_sum
     try:
         yield ForwardBatch.init_new(
             batch,
@@ -326,6 +330,7 @@ def prepare_draft_forward(
     block_ids: torch.Tensor,
     embeds: torch.Tensor,
     prefix: torch.Tensor,
+    prefix_sum: int,
     rows_index: torch.Tensor,
     block_offsets: torch.Tensor,
     block_spec_info: Any,
@@ -335,9 +340,9 @@ def prepare_draft_forward(
 
     target_runner: the target's model runner (its req_to_token and KV index translator plan the slots);
     draft_runner: the drafter's. block_ids: [B, γ] int64; embeds: [B, γ, H] the block's input embeddings;
-    prefix: [B] int64 committed lengths L_b; rows_index: [B, 1] int64 the requests' req_to_token rows;
-    block_offsets: [γ] int64 0..γ-1; block_spec_info: DFlash's block spec info
-    (`sglang_adapter.install_draft_block_spec_info`).
+    prefix: [B] int64 committed lengths L_b (prefix_sum: their sum, a host int); rows_index: [B, 1] int64
+    the requests' req_to_token rows; block_offsets: [γ] int64 0..γ-1; block_spec_info: DFlash's block spec
+    info (`sglang_adapter.install_draft_block_spec_info`).
     """
     bs, block = block_ids.shape
     positions = prefix[:, None] + block_offsets  # [B, γ]
@@ -357,7 +362,7 @@ def prepare_draft_forward(
         req_pool_indices=batch.req_pool_indices,
         seq_lens=prefix,
         out_cache_loc=cache_loc.reshape(-1),
-        seq_lens_sum=int(seq_lens_cpu.sum()),
+        seq_lens_sum=prefix_sum + bs * block,
         seq_lens_cpu=seq_lens_cpu,
         positions=positions.reshape(-1),
         input_embeds=embeds.reshape(bs * block, -1),

@@ -52,6 +52,7 @@ class TreePass:
     slots: torch.Tensor  # [B, W_v] int64 KV slots, padding last
     verify: VerifyPass
     grammar_tree: GrammarTree | None  # the rows' links for grammar requests (None: none in the batch)
+    prefix_sum: int  # Σ L_b, the batch's committed tokens
 
 
 class TargetForward:
@@ -102,12 +103,13 @@ class TargetForward:
         window = inputs.prefix[:, None] + self._width_offsets[: shape.width]
         req_to_token = self._worker.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[inputs.rows_index, window].to(torch.int64)
-        verify = padded_verify_pass(rows, inputs.prefix, shape.width, seq_lens_sum=int(sum(contexts)))
+        prefix_sum = sum(contexts)
+        verify = padded_verify_pass(rows, inputs.prefix, shape.width, seq_lens_sum=prefix_sum)
         grammar_tree = None
         if inputs.batch.has_grammar:
             layout = verify.layout
             grammar_tree = GrammarTree.from_device(layout.first_child, layout.next_sibling, rows.tokens)
-        return TreePass(rows, shape, window, slots, verify, grammar_tree)
+        return TreePass(rows, shape, window, slots, verify, grammar_tree, prefix_sum)
 
     def verify(
         self, batch: ScheduleBatch, tree_pass: TreePass, prefix_cpu: torch.Tensor
@@ -126,6 +128,7 @@ class TargetForward:
                 tree_pass.verify.custom_mask,
                 tree_pass.slots,
                 prefix_cpu,
+                tree_pass.prefix_sum,
             )
             result = sgl.target_forward(worker.target_worker, forward_batch)
         if result.can_run_cuda_graph:
@@ -134,12 +137,21 @@ class TargetForward:
         logits_output.next_token_logits = sgl.gathered_verify_logits(worker, logits_output.next_token_logits)
         return result
 
-    def decode_plain(self, inputs: DecodeInputs, slots: torch.Tensor) -> GenerationBatchResult:
+    def decode_plain(
+        self, inputs: DecodeInputs, slots: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int
+    ) -> GenerationBatchResult:
         """The target's plain DECODE forward of the roots at `slots` [B], as SGLang runs it without
-        speculation, with the drafter's feature layers captured for the commit. Returns the result of a
-        verify of width 1: logits [B, V], hidden states [B, H]."""
+        speculation, with the drafter's feature layers captured for the commit. seq_lens: [B] L_b + 1;
+        seq_lens_sum: their sum (host int). Returns the result of a verify of width 1: logits [B, V], hidden
+        states [B, H]."""
         target_worker = self._worker.target_worker
         with plain_decode_forward(
-            inputs.batch, target_worker.model_runner, inputs.roots, slots, inputs.prefix, inputs.prefix_cpu
+            inputs.batch,
+            target_worker.model_runner,
+            inputs.roots,
+            slots,
+            seq_lens,
+            inputs.prefix_cpu,
+            seq_lens_sum,
         ) as forward_batch:
             return sgl.target_forward(target_worker, forward_batch)

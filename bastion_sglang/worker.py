@@ -285,6 +285,7 @@ class BastionWorker(DFlashWorkerV2):
         bs = len(step.contexts)
         width, grammar_tree = 1, None
         with timer.stage("verify"):
+            new_seq_lens = inputs.prefix + 1  # [B] the lengths with the roots, the step's commit
             if batch.has_grammar or not self._target.runs_plain_decode:
                 tree_pass = self._target.layout(inputs, kernels.root_rows(inputs.roots), step.contexts)
                 target_out = self._target.verify(batch, tree_pass, inputs.prefix_cpu)
@@ -292,18 +293,17 @@ class BastionWorker(DFlashWorkerV2):
                 slots = tree_pass.slots[:, 0]  # [B] each root's KV slot, at position L_b
             else:
                 slots = self._target.root_slots(inputs)
-                target_out = self._target.decode_plain(inputs, slots)
+                target_out = self._target.decode_plain(inputs, slots, new_seq_lens, sum(step.contexts) + bs)
         with timer.stage("accept"):
             logits_output = target_out.logits_output
             logits = real_rows(logits_output.next_token_logits, bs, 1)[:, : self._acceptor.vocab_size]
             logits = logits.contiguous()  # [B, V]: the in-place adjustments land in the tensor sampled
             row_logits = RowLogits(inputs.roots[:, None], None, grammar_tree, inputs.grammar_barrier)
+            commit_lens = torch.ones_like(inputs.roots, dtype=torch.int32)  # [B] one token each
             root_targets = self._acceptor.root_targets(
-                batch, logits, row_logits, step.contexts, inputs.seeds, inputs.prefix
+                batch, logits, row_logits, step.contexts, inputs.seeds, new_seq_lens, commit_lens
             )
             targets = root_targets.tokens
-            commit_lens = torch.ones_like(targets, dtype=torch.int32)  # [B] one token each
-            new_seq_lens = inputs.prefix + 1
         if inputs.on_publish is not None:
             inputs.on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with timer.stage("commit"):

@@ -145,7 +145,14 @@ class SglangMeasurement:
         slots = self._slots[None, : rows.width]  # [1, W]
         with self._verify_context(rows.width):
             forward_batch, _ = prepare_verify_forward(
-                batch, self._runner, rows.tokens, layout.positions, mask, slots, self._prefix_cpu
+                batch,
+                self._runner,
+                rows.tokens,
+                layout.positions,
+                mask,
+                slots,
+                self._prefix_cpu,
+                self._context,
             )
             self._runner.forward(forward_batch)
 
@@ -214,7 +221,10 @@ class SglangMeasurement:
         prefix = torch.tensor(lengths, dtype=torch.int64, device=device)
         for step in range(steps):
             roots = torch.tensor([row[-1] for row in tokens], dtype=torch.int64, device=device)
-            with plain_decode_forward(batch, runner, roots, slots[:, step], prefix, prefix.cpu()) as decode:
+            lens_sum = sum(lengths) + len(prompts) * (step + 1)
+            with plain_decode_forward(
+                batch, runner, roots, slots[:, step], prefix + 1, prefix.cpu(), lens_sum
+            ) as decode:
                 out = runner.forward(decode).logits_output
             for b, chosen in enumerate(out.next_token_logits[:, : self._vocab].argmax(dim=-1).tolist()):
                 features[b] = torch.cat([features[b], out.hidden_states[b : b + 1]])
