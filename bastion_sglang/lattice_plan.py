@@ -5,8 +5,14 @@ same way with trees over its transitions instead (`controller.lattice_tree.build
 policies read the tree's best-first node order and its per-node scores whatever built it, so the batch plan,
 the gate's record and the drafted step's evidence are `StepController.plan`'s, step for step; each node keeps
 at most `branching` children (the policy's K: 1 for `chain`, whose tree is then DFlash2's own greedy walk,
-`lattice_chain`). The plan's `top` is the lattice's unary top-K. Lattices are planned on their raw
-transition log-probs: an acceptance calibration is fitted on DraftTopK records and is refused here.
+`lattice_chain`). The plan's `top` is the lattice's unary top-K and its `lattice` the lattice itself.
+
+With an acceptance calibration the trees are built on the calibrated transitions
+(`AcceptanceCalibration.apply` on [B, D, K, K]: every parent row of a depth by that depth's map, rows kept
+sorted, so the trees stay exact for the calibrated path scores), as `StepController.plan` builds top-K trees
+on calibrated log-probs; the plan's raw Â metric sums the raw transitions along each node's path
+(`StepController._raw_expected_accept`). The map is the one fitted on lattice records
+(`controller.lattice_acceptance`).
 """
 
 from __future__ import annotations
@@ -31,13 +37,11 @@ def plan_draft(
 def plan_lattice(
     controller: StepController, step: StepStart, lattice: DraftLattice, branching: int
 ) -> StepPlan:
-    """`StepController.plan` on the best-first lattice trees of `lattice` (module docstring)."""
-    if controller.acceptance is not None:
-        raise ValueError(
-            "an acceptance calibration maps top-K log-probs per depth and is fitted on DraftTopK records; "
-            "plan a DFlash2 lattice without one"
-        )
-    trees = build_lattice_trees(lattice.transitions, lattice.unary.token_ids, controller.budget, branching)
+    """`StepController.plan` on the best-first lattice trees of `lattice`, on its calibrated transitions
+    where the controller has a calibration (module docstring)."""
+    acceptance = controller.acceptance
+    transitions = lattice.transitions if acceptance is None else acceptance.apply(lattice.transitions)
+    trees = build_lattice_trees(transitions, lattice.unary.token_ids, controller.budget, branching)
     scales = controller.acceptance_tracker.corrections(step.greedy)
     plan = plan_batch(
         trees,
@@ -51,4 +55,4 @@ def plan_lattice(
     controller.gate.record(plan.speculative_speedup)
     gain = horizon_gain(trees, int(lattice.transitions.shape[1]), controller.horizon.depth, scales)
     controller.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
-    return StepPlan(plan, trees, lattice.unary, scales)
+    return StepPlan(plan, trees, lattice.unary, scales, lattice)

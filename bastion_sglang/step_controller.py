@@ -45,10 +45,11 @@ from bastion_sglang.controller.gate import (
 )
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.lattice_acceptance import lattice_node_log_scores
 from bastion_sglang.controller.policies import BatchPlan, BudgetPolicy, plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.step_costs import StepCostTracker
-from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.timing import StageTimer, StageTimes, TimedStep
 
 
@@ -183,6 +184,7 @@ class StepPlan:
     trees: DraftTreeBatch | None  # None: this rank does not plan (it takes the leader's rows)
     top: DraftTopK  # [B, h, K] the drafter's candidates
     scales: list[float]  # [B] acceptance corrections
+    lattice: DraftLattice | None = None  # [B, D, K, K] a DFlash2 draft's lattice (`top` is its unary top-K)
 
     @property
     def mode(self) -> str:
@@ -360,10 +362,14 @@ class StepController:
         )
 
     def _raw_expected_accept(self, planned: StepPlan, counts: Sequence[int]) -> list[float]:
-        """Raw Â per request of the planned trees: 1 + Σ of the drafter's uncalibrated path probabilities."""
-        trees, top = planned.trees, planned.top
+        """Raw Â per request of the planned trees: 1 + Σ of the drafter's uncalibrated path probabilities
+        (a lattice's: its raw transitions along each node's path)."""
+        trees, top, lattice = planned.trees, planned.top, planned.lattice
         if self.acceptance is None:
             scores = trees.log_scores
+        elif lattice is not None:
+            transitions, ids = lattice.transitions, lattice.unary.token_ids
+            scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, ids)
         else:
             scores = node_log_scores(trees.tokens, trees.parents, trees.depths, top.logprobs, top.token_ids)
         gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric

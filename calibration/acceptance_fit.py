@@ -21,8 +21,8 @@ from pathlib import Path
 from bastion_sglang.config import DEFAULT_TOPK
 from bastion_sglang.controller.acceptance import (
     AcceptanceCalibration,
-    AcceptanceRecord,
     AcceptanceReport,
+    DrafterPass,
     evaluate_acceptance,
     fit_acceptance,
 )
@@ -90,16 +90,17 @@ def prompt_token_ids(model_path: str | Path, settings: AcceptanceSettings) -> li
 
 
 def fit_held_out(
-    per_prompt: Sequence[Sequence[AcceptanceRecord]], drafter_config_hash: str, budgets: Sequence[int]
+    per_prompt: Sequence[Sequence[DrafterPass]], drafter_config_hash: str, budgets: Sequence[int]
 ) -> AcceptanceResult:
     """Fit the calibration on the records of every prompt but each HELD_OUT_EVERY-th (by position) and score
-    it on those at `budgets`. per_prompt: each prompt's records, in prompt order. ValueError when the fit
+    it on those at `budgets`. per_prompt: each prompt's records (top-K or lattice passes), in prompt order.
+    ValueError when the fit
     has too few events (`fit_acceptance`)."""
-    fit_records: list[AcceptanceRecord] = []
-    held_records: list[AcceptanceRecord] = []
+    fit_records: list[DrafterPass] = []
+    held_records: list[DrafterPass] = []
     for index, records in enumerate(per_prompt):
         (held_records if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else fit_records).extend(records)
-    depth = int(fit_records[0].logprobs.shape[0]) if fit_records else 1
+    depth = fit_records[0].depth if fit_records else 1
     calibration = fit_acceptance(fit_records, depth, drafter_config_hash=drafter_config_hash)
     report = evaluate_acceptance(calibration, held_records, budgets)
     logger.info(

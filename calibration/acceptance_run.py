@@ -4,8 +4,10 @@ fit and the held-out report are `acceptance_fit`'s.
 Data. The reference engine (Transformers target + the DFlash drafter, the same weights the server loads)
 decodes `num_prompts` prompts greedily with a fixed best-first tree of `decode_budget` nodes. Every
 speculative step's top-K (cut to the server's K, `topk`) and the tokens the target committed after the
-step's root form one `AcceptanceRecord` (`controller.acceptance`). At T = 0 the output is the target's own,
-so each record's continuation is the target's greedy continuation after its root.
+step's root form one `AcceptanceRecord` (`controller.acceptance`); a DFlash2 drafter's step gives a
+`LatticeRecord` instead (`controller.lattice_acceptance`: its [D, K, K] transitions and [D, K] candidates,
+all K of the selector's candidates, each row a distribution over them). At T = 0 the output is the
+target's own, so each record's continuation is the target's greedy continuation after its root.
 
 Prompts and the held-out split: `acceptance_fit`.
 """
@@ -26,7 +28,8 @@ from bastion_sglang.calibration.acceptance_fit import (
     prompt_token_ids,
 )
 from bastion_sglang.calibration.identity import model_config_hash
-from bastion_sglang.controller.acceptance import AcceptanceRecord
+from bastion_sglang.controller.acceptance import AcceptanceRecord, DrafterPass
+from bastion_sglang.controller.lattice_acceptance import LatticeRecord
 from bastion_sglang.controller.policies import FixedPolicy
 from bastion_sglang.controller.roofline import HardwareSpec
 
@@ -38,12 +41,20 @@ PLANNING_HARDWARE = HardwareSpec(name="acceptance-run", peak_flops=1.0e12, bandw
 
 def records_of_generation(
     prompt_ids: Sequence[int], output: Sequence[int], steps: Sequence, topk: int
-) -> list[AcceptanceRecord]:
-    """One record per speculative step of one generation: its top-K (first `topk` columns) and the target's
-    tokens after the step's root. steps: the reference engine's StepStats, whose root sits at ctx_len."""
+) -> list[DrafterPass]:
+    """One record per speculative step of one generation: its top-K (first `topk` columns), or its lattice
+    (every candidate), and the target's tokens after the step's root. steps: the reference engine's
+    StepStats, whose root sits at ctx_len."""
     full = [*prompt_ids, *output]
-    records = []
+    records: list[DrafterPass] = []
     for step in steps:
+        if step.lattice is not None:
+            transitions = step.lattice.transitions[0].detach().to("cpu", torch.float32)
+            depth = int(transitions.shape[0])
+            continuation = tuple(full[step.ctx_len + 1 : step.ctx_len + 1 + depth])
+            token_ids = step.lattice.unary.token_ids[0].detach().to("cpu")
+            records.append(LatticeRecord(transitions, token_ids, continuation))
+            continue
         if step.draft is None:
             continue
         logprobs = step.draft.logprobs[0, :, :topk].detach().to("cpu", torch.float32)

@@ -26,6 +26,19 @@ is the conditional factor above). (a_d, b_d) maximise the Bernoulli log-likeliho
 with fewer than `min_positive` matching events shares the parameters fitted on it and every deeper depth
 pooled (deep events are rare).
 
+Lattices (DFlash2). A `LatticeRecord` (`lattice_acceptance`) is one pass of a DFlash2 drafter: its
+transitions [D, K, K] (row p of slot e: log q(candidate c of slot e | candidate p of slot e-1)), candidates
+[D, K] and the target's continuation. Its events are the ones above with the row replaced by the parent's
+transition row: at depth d, with the target's tokens at depths 1..d-1 candidates of their slots and p the
+candidate index of the target's token at depth d-1 (0 at depth 1), every candidate c of slot d gives
+x = transitions[d-1, p, c], y = (its token == the target's token at depth d). The conditional factor a
+lattice node's path multiplies is that same quantity, so the same per-depth maps are fitted by the same
+code (`conditional_events` reads each record's `events`), stored in the same profile field, and applied to
+every parent row of a depth alike (`AcceptanceCalibration.apply` on [B, D, K, K]): each row stays sorted and
+`build_lattice_trees` on calibrated transitions is exact for the calibrated path scores. Where every row of
+a slot is the same, a lattice's events are those of the equivalent top-K draft. `best_accept_curve` bounds
+calibrated lattice trees too: its caps hold for any row that is a distribution, here one per parent.
+
 Online correction. `AcceptanceTracker` keeps exponentially forgotten sums of the predicted drafted part
 (Â - 1) and of the realised accepted drafts, separately for greedy and sampled requests, and the planner
 scales the drafted part by their ratio c: Â = 1 + c·Σ ρ̃. A constant factor does not change which nodes are
@@ -35,15 +48,16 @@ best, so the tree stays exact.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 from scipy.optimize import minimize
 
-from bastion_sglang.controller.tree import build_tree
+from bastion_sglang.controller.tree import DraftTree, build_tree
 
 MIN_POSITIVE_EVENTS = 30
 """Matching events a depth needs for parameters of its own (else it is pooled with the deeper depths)."""
@@ -96,14 +110,49 @@ class AcceptanceCalibration(BaseModel):
         return [self.slopes[i] for i in index], [self.offsets[i] for i in index]
 
     def apply(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """Calibrated log-probabilities: [..., D, K] raw top-K log q -> [..., D, K] log g_d, same dtype and
-        device. Sorted rows stay sorted and every value stays <= 0."""
-        depths = int(logprobs.shape[-2])
+        """Calibrated log-probabilities, same shape, dtype and device, every value <= 0 and sorted rows kept
+        sorted (the map is non-decreasing per depth).
+
+        logprobs: raw top-K log q, [D, K] or [B, D, K] (depth: dim -2); or a batch of lattice transitions
+        [B, D, K, K] (depth: dim 1), every parent row [b, d, p] of depth d + 1 mapped by that depth's map.
+        """
+        if logprobs.dim() == 4:
+            depths = int(logprobs.shape[1])
+            shape: tuple[int, ...] = (depths, 1, 1)
+        elif 2 <= logprobs.dim() <= 3:
+            depths = int(logprobs.shape[-2])
+            shape = (depths, 1)
+        else:
+            raise ValueError(
+                f"logprobs must be [D, K], [B, D, K] or lattice transitions [B, D, K, K], got shape "
+                f"{tuple(logprobs.shape)}"
+            )
         slopes, offsets = self.depth_parameters(depths)
-        shape = (depths, 1)
         a = torch.tensor(slopes, dtype=logprobs.dtype, device=logprobs.device).view(shape)
         b = torch.tensor(offsets, dtype=logprobs.dtype, device=logprobs.device).view(shape)
         return torch.clamp(logprobs * a + b, max=0.0)
+
+
+class DrafterPass(Protocol):
+    """A recorded drafter pass the fit and the report read: an `AcceptanceRecord` (top-K) or a
+    `lattice_acceptance.LatticeRecord` (DFlash2 lattice)."""
+
+    continuation: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        """D, the positions drafted."""
+        ...
+
+    def events(self, depths: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Per depth d = 1, 2, .. (at most `depths`, stopping where the target's path leaves the lattice):
+        (x, y), the [K] raw log-probabilities of the candidates of the conditional factor at depth d and
+        their [K] 0/1 outcomes, float64 (module docstring)."""
+        ...
+
+    def tree(self, calibration: AcceptanceCalibration | None, budget: int) -> DraftTree:
+        """The best-first tree of `budget` nodes on the pass's calibrated (None: raw) log-probabilities."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -118,23 +167,35 @@ class AcceptanceRecord:
     token_ids: torch.Tensor
     continuation: tuple[int, ...]
 
+    @property
+    def depth(self) -> int:
+        return int(self.logprobs.shape[0])
 
-def conditional_events(
-    records: Sequence[AcceptanceRecord], depths: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
+    def events(self, depths: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`DrafterPass.events`: depth d reads row d - 1 of the top-K."""
+        lp = self.logprobs.detach().to("cpu", torch.float64).numpy()
+        ids = self.token_ids.detach().to("cpu").numpy()
+        for d, target in enumerate(self.continuation[: min(depths, lp.shape[0])]):
+            match = ids[d] == target
+            yield lp[d], match.astype(np.float64)
+            if not match.any():
+                return  # the target's path leaves the lattice: deeper events are not conditional ones
+
+    def tree(self, calibration: AcceptanceCalibration | None, budget: int) -> DraftTree:
+        logprobs = self.logprobs if calibration is None else calibration.apply(self.logprobs)
+        return build_tree(logprobs, self.token_ids, budget)
+
+
+def conditional_events(records: Sequence[DrafterPass], depths: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per depth d = 1..depths: (x, y), the raw log-probabilities of the candidates whose conditional event
-    is observed (the target's path before d lies in the lattice) and the 0/1 outcomes. [n_d] float64 each."""
+    is observed (the target's path before d lies in the lattice) and the 0/1 outcomes. [n_d] float64 each.
+    records: top-K (`AcceptanceRecord`) or lattice (`LatticeRecord`) passes, or both."""
     xs: list[list[np.ndarray]] = [[] for _ in range(depths)]
     ys: list[list[np.ndarray]] = [[] for _ in range(depths)]
     for record in records:
-        lp = record.logprobs.detach().to("cpu", torch.float64).numpy()
-        ids = record.token_ids.detach().to("cpu").numpy()
-        for d, target in enumerate(record.continuation[: min(depths, lp.shape[0])]):
-            match = ids[d] == target
-            xs[d].append(lp[d])
-            ys[d].append(match.astype(np.float64))
-            if not match.any():
-                break  # the target's path leaves the lattice: deeper events are not conditional ones
+        for d, (x, y) in enumerate(record.events(depths)):
+            xs[d].append(x)
+            ys[d].append(y)
     return [
         (np.concatenate(x) if x else np.empty(0), np.concatenate(y) if y else np.empty(0))
         for x, y in zip(xs, ys, strict=True)
@@ -182,13 +243,13 @@ def fit_depth(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 def fit_acceptance(
-    records: Sequence[AcceptanceRecord],
+    records: Sequence[DrafterPass],
     depths: int,
     min_positive: int = MIN_POSITIVE_EVENTS,
     drafter_config_hash: str | None = None,
 ) -> AcceptanceCalibration:
-    """Fit the per-depth maps on `records` (module docstring). Raises ValueError when depth 1 has fewer
-    than `min_positive` matching events (too little data to calibrate anything)."""
+    """Fit the per-depth maps on `records` (module docstring), top-K or lattice passes. Raises ValueError
+    when depth 1 has fewer than `min_positive` matching events (too little data to calibrate anything)."""
     if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
         raise ValueError(f"depths must be a positive int, got {depths!r}")
     events = conditional_events(records, depths)
@@ -327,21 +388,22 @@ class AcceptanceReport(BaseModel):
 
 
 def evaluate_acceptance(
-    calibration: AcceptanceCalibration, records: Sequence[AcceptanceRecord], budgets: Sequence[int]
+    calibration: AcceptanceCalibration, records: Sequence[DrafterPass], budgets: Sequence[int]
 ) -> AcceptanceReport:
-    """Build the best-first tree of every record at every budget, on raw and on calibrated log-probs, and
-    compare 1 + Σ ρ with what the known continuation commits. Records whose continuation is shorter than
-    the drafter's depth are skipped (their realised length is cut by the end of the output)."""
-    full = [r for r in records if len(r.continuation) >= r.logprobs.shape[0]]
+    """Build the best-first tree of every record at every budget, on raw and on calibrated log-probs (a
+    lattice's trees: `build_lattice_tree`, every child kept), and compare 1 + Σ ρ with what the known
+    continuation commits. Records whose continuation is shorter than the drafter's depth are skipped (their
+    realised length is cut by the end of the output)."""
+    full = [r for r in records if len(r.continuation) >= r.depth]
     if not full:
         raise ValueError(
             f"none of the {len(records)} records has a continuation as long as the drafter's depth"
         )
     sums = {key: [0.0] * len(budgets) for key in ("realised", "expected", "realised_raw", "expected_raw")}
     for record in full:
-        for suffix, logprobs in (("", calibration.apply(record.logprobs)), ("_raw", record.logprobs)):
+        for suffix, mapping in (("", calibration), ("_raw", None)):
             for j, budget in enumerate(budgets):
-                tree = build_tree(logprobs, record.token_ids, budget)
+                tree = record.tree(mapping, budget)
                 sums["expected" + suffix][j] += 1.0 + float(torch.exp(tree.log_scores).sum())
                 sums["realised" + suffix][j] += realised_accept_length(
                     tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(), record.continuation

@@ -143,11 +143,44 @@ def test_the_chain_policy_plans_the_greedy_walk() -> None:
         assert torch.equal(planned.trees.row(b).tokens, walk.tokens)
 
 
-def test_a_calibrated_controller_refuses_lattices() -> None:
-    calibrated = controller(
-        AdaptivePolicy(), 8, AcceptanceCalibration(slopes=[1.0], offsets=[0.0], events=[5])
-    )
-    step = calibrated.begin([10], [True], ["a"])
-    lattice = random_lattices(7, batch=1)
-    with pytest.raises(ValueError, match="plan a DFlash2 lattice without one"):
-        plan_draft(calibrated, step, lattice, branching=4)
+@pytest.mark.parametrize("policy", [AdaptivePolicy(), FixedPolicy(7)])
+def test_a_calibrated_controller_plans_the_calibrated_transitions(policy: BudgetPolicy) -> None:
+    """With a calibration the plan is the uncalibrated plan of the transitions mapped by hand (per depth,
+    every parent row alike), and the raw Â metric sums the raw transitions along each node's path."""
+    calibration = AcceptanceCalibration(slopes=[1.6, 1.2], offsets=[-0.3, -0.8], events=[50, 20])
+    lattice = random_lattices(7)
+    slopes, offsets = calibration.depth_parameters(5)
+    a = torch.tensor(slopes).view(1, 5, 1, 1)
+    b = torch.tensor(offsets).view(1, 5, 1, 1)
+    mapped = DraftLattice(lattice.unary, torch.clamp(lattice.transitions * a + b, max=0.0))
+    calibrated, by_hand = controller(policy, 20, calibration), controller(policy, 20)
+    contexts, greedy, requests = [100, 300], [True, False], ["a", "b"]
+    planned = plan_draft(calibrated, calibrated.begin(contexts, greedy, requests), lattice, branching=3)
+    expected = plan_draft(by_hand, by_hand.begin(contexts, greedy, requests), mapped, branching=3)
+    assert planned.plan == expected.plan and planned.scales == expected.scales
+    for field in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(planned.trees, field), getattr(expected.trees, field)), field
+    assert torch.allclose(planned.trees.log_scores, expected.trees.log_scores, atol=1e-6, rtol=0.0)
+    assert planned.top is lattice.unary and planned.lattice is lattice
+    assert (calibrated.evidence.curve_for(requests) == by_hand.evidence.curve_for(requests)).all()
+    counts = planned.plan.node_counts
+    assert min(counts) > 1
+    raw = calibrated._raw_expected_accept(planned, counts)
+    trees = planned.trees
+    for row in range(2):
+        slots = lattice.unary.token_ids[row].tolist()
+        total = 0.0
+        for node in range(counts[row]):  # the raw path probability of each verified node, walked by hand
+            path, at = [], node
+            while at >= 0:
+                path.append(at)
+                at = int(trees.parents[row, at])
+            log_q, parent = 0.0, 0
+            for depth, at in enumerate(reversed(path)):
+                candidate = slots[depth].index(int(trees.tokens[row, at]))
+                log_q += float(lattice.transitions[row, depth, parent, candidate])
+                parent = candidate
+            total += math.exp(log_q)
+        assert raw[row] == pytest.approx(1.0 + total, rel=1e-9)
+    # not the trees' own (calibrated) scores
+    assert by_hand._raw_expected_accept(expected, counts)[0] < raw[0]

@@ -1,0 +1,102 @@
+"""Acceptance calibration on DFlash2 lattices: the recorded pass and the raw path scores of lattice trees.
+
+A `LatticeRecord` is one DFlash2 drafter pass whose target continuation is known. Its conditional events
+are `acceptance`'s with the top-K row of depth d replaced by the parent's transition row (module docstring
+of `acceptance`, "Lattices"), so `fit_acceptance`, `conditional_events` and `evaluate_acceptance` take it as
+they take an `AcceptanceRecord`, and the fitted map is the same `AcceptanceCalibration`.
+
+`lattice_node_log_scores` gives the path scores of lattice trees under other transitions (the raw ones of
+trees built on calibrated transitions), as `acceptance.node_log_scores` does for top-K trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.lattice_tree import build_lattice_tree
+from bastion_sglang.controller.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class LatticeRecord:
+    """One DFlash2 drafter pass and what the target committed after its root.
+
+    transitions: [D, K, K] raw log-probs, row [e, p] over slot e's candidates after candidate p of slot e-1
+    (slot 0: row [0, 0], the root's); token_ids: [D, K] the candidates, distinct per slot; continuation: the
+    target's tokens at depths 1..m (m <= D; fewer when the output ended).
+    """
+
+    transitions: torch.Tensor
+    token_ids: torch.Tensor
+    continuation: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.transitions.dim() != 3 or self.transitions.shape[1] != self.transitions.shape[2]:
+            raise ValueError(f"transitions must be [D, K, K], got shape {tuple(self.transitions.shape)}")
+        if self.token_ids.shape != self.transitions.shape[:2]:
+            raise ValueError(
+                f"token_ids must be [D, K] = {list(self.transitions.shape[:2])}, got "
+                f"{list(self.token_ids.shape)}"
+            )
+
+    @property
+    def depth(self) -> int:
+        return int(self.transitions.shape[0])
+
+    def events(self, depths: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """`acceptance.DrafterPass.events`: depth d reads row [d - 1, p], p the candidate index of the
+        target's token at depth d - 1 (0 at depth 1); stops after the first depth whose slot lacks the
+        target's token."""
+        rows = self.transitions.detach().to("cpu", torch.float64).numpy()
+        ids = self.token_ids.detach().to("cpu").numpy()
+        parent = 0
+        for d, target in enumerate(self.continuation[: min(depths, rows.shape[0])]):
+            match = ids[d] == target
+            yield rows[d, parent], match.astype(np.float64)
+            if not match.any():
+                return  # the target's path leaves the lattice: deeper events are not conditional ones
+            parent = int(np.argmax(match))
+
+    def tree(self, calibration: AcceptanceCalibration | None, budget: int) -> DraftTree:
+        """The best-first lattice tree of `budget` nodes (every child kept), raw or calibrated transitions."""
+        transitions = (
+            self.transitions if calibration is None else calibration.apply(self.transitions[None])[0]
+        )
+        return build_lattice_tree(transitions, self.token_ids, budget)
+
+
+def lattice_node_log_scores(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    transitions: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Path scores of a batch of lattice trees under other transitions (e.g. the raw ones of trees built on
+    calibrated values): Σ over each node's path of transitions[depth - 1, parent's candidate, candidate].
+
+    tokens, parents, depths: [B, N] int64 (a `DraftTreeBatch` of `build_lattice_trees`, parents before
+    children); transitions: [B, D, K, K]; token_ids: [B, D, K], distinct per slot, containing every node's
+    token at its depth. A node's candidate is its token's index in its slot; depth 1 reads row 0.
+    Returns [B, N] float64. No host sync.
+    """
+    batch, nodes = tokens.shape
+    if nodes == 0:
+        return torch.zeros((batch, 0), dtype=torch.float64, device=tokens.device)
+    width = int(token_ids.shape[-1])
+    slot = (depths - 1).clamp(min=0)  # [B, N]
+    match = token_ids.gather(1, slot[:, :, None].expand(batch, nodes, width)) == tokens[:, :, None]
+    candidate = match.to(torch.int64).argmax(-1)  # [B, N], the one True per node
+    parent_candidate = torch.where(parents >= 0, candidate.gather(1, parents.clamp(min=0)), 0)
+    flat = transitions.to(torch.float64).reshape(batch, -1)  # [B, D·K·K]
+    own = flat.gather(1, (slot * width + parent_candidate) * width + candidate)  # [B, N]
+    scores = own.clone()
+    parent_index = parents.clamp(min=0)
+    for depth in range(2, int(transitions.shape[1]) + 1):
+        scores = torch.where(depths == depth, own + scores.gather(1, parent_index), scores)
+    return scores
