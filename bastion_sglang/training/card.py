@@ -321,8 +321,8 @@ def _selector_prose(
         "## Use",
         "",
         "The reference engine plans trees over its lattice:",
-        f'`bastion_sglang.reference.ReferenceEngine(target, "models/{name}", ...)`; so does SGLang\'s BASTION',
-        f"worker: `--speculative-algorithm BASTION --speculative-draft-model-path models/{name}`.",
+        f'`bastion_sglang.reference.ReferenceEngine(target, "models/{name}", ...)`; so does SGLang\'s',
+        f"BASTION worker: `--speculative-algorithm BASTION --speculative-draft-model-path models/{name}`.",
         "",
     ]
     return "\n".join(lines)
