@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.lattice_acceptance import LatticeRecord
 from bastion_sglang.controller.lattice_tree import lattice_chain
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
@@ -207,7 +208,25 @@ def test_chain_verifies_dflash2s_greedy_walk(target: Target) -> None:
         emitted += step.emitted
 
 
-def test_a_dflash2_drafter_plans_without_an_acceptance_calibration(target: Target) -> None:
-    calibration = AcceptanceCalibration(slopes=[1.0], offsets=[0.0], events=[10])
-    with pytest.raises(ValueError, match="cannot be applied to it: pass acceptance=None"):
-        engine_for(target, target.drafter_path, acceptance=calibration)
+def test_a_calibrated_dflash2_engine_plans_calibrated_trees_and_stays_exact(target: Target) -> None:
+    """With an acceptance calibration a DFlash2 engine builds its trees on the calibrated transitions (deeper
+    nodes discounted here, so the first step's 8-node tree and its Â differ from the raw engine's on the
+    same lattice) and its greedy output is still plain greedy decoding's."""
+    calibration = AcceptanceCalibration(slopes=[1.0, 3.0], offsets=[0.0, -2.0], events=[10, 10])
+    raw = engine_for(target, target.drafter_path)
+    calibrated = engine_for(target, target.drafter_path, acceptance=calibration)
+    assert calibrated.acceptance is calibration
+    prompt, reference = target.prompts[1], target.references[1]
+    plain = raw.generate(list(prompt), DRAFTER_NEW_TOKENS, policy="fixed:8")
+    result = calibrated.generate(list(prompt), DRAFTER_NEW_TOKENS, policy="fixed:8")
+    assert tuple(result.tokens) == reference[:DRAFTER_NEW_TOKENS]
+    first, first_raw = result.steps[0], plain.steps[0]
+    assert first.lattice is not None and first_raw.lattice is not None
+    assert torch.equal(first.lattice.transitions, first_raw.lattice.transitions)  # the same drafter pass
+    record = LatticeRecord(first.lattice.transitions[0], first.lattice.unary.token_ids[0], ())
+    tree, raw_tree = record.tree(calibration, 8), record.tree(None, 8)
+    assert not torch.equal(tree.depths, raw_tree.depths)
+    assert first.expected_accept == pytest.approx(1.0 + torch.exp(tree.log_scores).sum().item(), rel=1e-5)
+    assert first_raw.expected_accept == pytest.approx(
+        1.0 + torch.exp(raw_tree.log_scores).sum().item(), rel=1e-5
+    )

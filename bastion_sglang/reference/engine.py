@@ -138,8 +138,9 @@ class ReferenceEngine:
         are fitted online to this engine's measured stages (`StepCostTracker`, as the worker does) and L_AR
         is the latency model's prediction for one token at the current context.
     acceptance: the drafter's acceptance calibration (trees are built on its calibrated log-probabilities,
-        so Â and the policies see calibrated values); None: the raw drafter probabilities. Refused with a
-        DFlash2 drafter (`lattice_plan`).
+        so Â and the policies see calibrated values); None: the raw drafter probabilities. With a DFlash2
+        drafter the trees are built on its calibrated transitions (`lattice_plan`; a map fitted on lattice
+        records, `controller.lattice_acceptance`).
     max_nodes: N_max, the tree budget of the adaptive policies. eos_token_ids: None reads the target's
         generation config.
     """
@@ -172,11 +173,6 @@ class ReferenceEngine:
         self.target = TargetModel(model, self.proposer.feature_layers if self.proposer is not None else ())
         self.latency = self._make_latency(latency, hardware, width_buckets, config, dtype)
         self.step_costs = step_costs
-        if acceptance is not None and isinstance(self.proposer, DFlash2Proposer):
-            raise ValueError(
-                "a DFlash2 drafter's lattice is planned on its raw transition log-probs; an acceptance "
-                "calibration (fitted on top-K drafts) cannot be applied to it: pass acceptance=None"
-            )
         self.acceptance = acceptance
         self._costs = StepCostTracker(decay=COST_DECAY, warmup_steps=COLD_STEPS)
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
