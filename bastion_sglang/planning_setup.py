@@ -152,26 +152,31 @@ def worker_acceptance(
     resolved: ResolvedProfile, draft_model_path: str | None
 ) -> AcceptanceCalibration | None:
     """The profile's acceptance calibration when it fits this drafter (else None, with a warning logged)."""
-    calibration, warnings = resolve_acceptance(resolved, drafter_hash(draft_model_path))
-    for warning in warnings:
-        logger.warning("BASTION: %s", warning)
-    if calibration is not None:
-        logger.info("BASTION: planning with the acceptance calibration of %s", resolved.path)
-    return calibration
+    return planning_acceptance(resolved, draft_model_path, lattice_drafts=False)
 
 
 def planning_acceptance(
     resolved: ResolvedProfile, draft_model_path: str | None, lattice_drafts: bool
 ) -> AcceptanceCalibration | None:
-    """The acceptance calibration the worker plans with: `worker_acceptance`'s, or None for a DFlash2 drafter
-    (lattice_drafts), whose lattices are planned on their raw transition log-probs (`lattice_plan`)."""
-    if not lattice_drafts:
-        return worker_acceptance(resolved, draft_model_path)
-    logger.info(
-        "BASTION: DFlash2 drafter: planning on its lattices' raw transition log-probs (no acceptance "
-        "calibration), corrected online"
-    )
-    return None
+    """The acceptance calibration the worker plans with: the profile's when it was fitted for this drafter
+    (its config hash, `lookup.resolve_acceptance`), else None with a warning logged. A DFlash2 drafter
+    (lattice_drafts) plans on its calibrated transitions (`lattice_plan`; the map a DFlash2 profile holds
+    is fitted on lattice records, and a DFlash2 drafter's config hash is not its DFlash base's)."""
+    calibration, warnings = resolve_acceptance(resolved, drafter_hash(draft_model_path))
+    for warning in warnings:
+        logger.warning("BASTION: %s", warning)
+    if calibration is not None:
+        logger.info(
+            "BASTION: planning %s with the acceptance calibration of %s",
+            "the DFlash2 drafter's lattices" if lattice_drafts else "the drafter's top-K",
+            resolved.path,
+        )
+    elif lattice_drafts:
+        logger.info(
+            "BASTION: DFlash2 drafter: planning on its lattices' raw transition log-probs (no acceptance "
+            "calibration for it), corrected online"
+        )
+    return calibration
 
 
 def worker_step_controller(
@@ -191,8 +196,8 @@ def worker_step_controller(
     config's policy and budget, and a draft horizon (fixed-size policies keep every position: their trees stay
     DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`; startup: how
     this server calibrates itself when it has no profile (None: it does not); lattice_drafts: whether the
-    drafter is a DFlash2 drafter, whose lattices are planned without an acceptance calibration
-    (`lattice_plan`)."""
+    drafter is a DFlash2 drafter, whose lattices are planned on the profile's acceptance calibration as
+    top-K drafts are (`planning_acceptance`, `lattice_plan`)."""
     resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
     latency, profile_costs = worker_latency_model(
         config, server_args, target_config, dtype, device, width_buckets, resolved
