@@ -13,8 +13,9 @@ server's own (`startup`).
   timed with its candidate selector (`reference.lattice_proposer.DFlash2Proposer`), and the sweep's trees
   are built over its lattice's unary top-K;
 - acceptance records (`greedy_records`): the target's greedy continuations in SGLang's own forwards and the
-  same drafter on the target's real features. None for a DFlash2 drafter (ValueError): its lattice is
-  planned on its raw transition log-probs, and an acceptance map is fitted on top-K records.
+  same drafter on the target's real features: its top-K at every root (`AcceptanceRecord`), or a DFlash2
+  drafter's lattice there (`LatticeRecord`, as `acceptance_run` records the reference engine's), whose map
+  `lattice_plan` applies to the lattice's transitions.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 from torch import nn
 
 from bastion_sglang.calibration.random_inputs import CONTEXT_SEED
-from bastion_sglang.controller.acceptance import AcceptanceRecord
+from bastion_sglang.controller.acceptance import AcceptanceRecord, DrafterPass
+from bastion_sglang.controller.lattice_acceptance import LatticeRecord
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
 
 if TYPE_CHECKING:
@@ -176,23 +178,20 @@ class SglangMeasurement:
     @torch.no_grad()
     def greedy_records(
         self, prompts: Sequence[Sequence[int]], new_tokens: int, topk: int, eos_ids: Collection[int]
-    ) -> list[list[AcceptanceRecord]]:
+    ) -> list[list[DrafterPass]]:
         """The target's greedy continuation of every prompt in SGLang's own forwards, and at each of its
-        first `new_tokens` roots the drafter's top-K on the target's real features of the tokens before it.
+        first `new_tokens` roots the drafter's top-K (a DFlash2 drafter's lattice) on the target's real
+        features of the tokens before it.
 
         One prefill of all prompts (every hidden state captured: the drafter's features), then
         new_tokens + D - 1 DECODE forwards of the whole batch (D: the drafter's depth); then, prompt by
         prompt, one drafter pass per root. Returns, per prompt, one record per root r: the drafter pass whose
-        root is generated token r ([D, topk] log-probs and ids, host float32) and the target's next D tokens
-        (fewer where the output ends at one of `eos_ids`, as a server's request would; no root after it).
-        The KV pools are emptied first and hold these prompts afterwards. ValueError for a DFlash2 drafter
-        (module docstring).
+        root is generated token r (an AcceptanceRecord of [D, topk] log-probs and ids; for a DFlash2 drafter
+        a LatticeRecord of its [D, K, K] transitions and [D, K] candidates, all of the selector's K; host
+        float32) and the target's next D tokens (fewer where the output ends at one of `eos_ids`, as a
+        server's request would; no root after it). The KV pools are emptied first and hold these prompts
+        afterwards.
         """
-        if self._proposer.drafter.candidate_selector is not None:
-            raise ValueError(
-                "a DFlash2 drafter's lattice is planned on its raw transition log-probs; no acceptance map "
-                "is fitted for it"
-            )
         from bastion_sglang.sglang_adapter import CaptureHiddenMode, ForwardBatch
         from bastion_sglang.spec_input import plain_decode_forward
 
@@ -243,7 +242,7 @@ class SglangMeasurement:
         new_tokens: int,
         topk: int,
         eos_ids: Collection[int],
-    ) -> list[AcceptanceRecord]:
+    ) -> list[DrafterPass]:
         """`greedy_records` of one prompt: tokens, the prompt and its continuation; features [len, F·h], the
         target's features of every position but the last."""
         from bastion_sglang.draft_protocols import DraftInput
@@ -251,19 +250,24 @@ class SglangMeasurement:
         depth = self._proposer.depth
         self._proposer.start(len(tokens) + 1)
         ingested = 0
-        records = []
+        records: list[DrafterPass] = []
         for root in range(prompt_length, prompt_length + new_tokens):
             if tokens[root] in eos_ids:
                 break  # the output ended: no step after it
             committed = torch.tensor(tokens[: root + 1], dtype=torch.int64, device=self._device)
-            top = self._proposer.propose(DraftInput(committed, features[ingested:root]), topk)
+            proposal = self._proposer.propose(DraftInput(committed, features[ingested:root]), topk)
             ingested = root
             continuation = tuple(tokens[root + 1 : root + 1 + depth])
             ends = next((i for i, token in enumerate(continuation) if token in eos_ids), None)
             if ends is not None:
                 continuation = continuation[: ends + 1]
-            logprobs = top.logprobs[0, :, :topk].to("cpu", torch.float32)
-            records.append(AcceptanceRecord(logprobs, top.token_ids[0, :, :topk].cpu(), continuation))
+            if isinstance(proposal, DraftTopK):
+                logprobs = proposal.logprobs[0, :, :topk].to("cpu", torch.float32)
+                ids = proposal.token_ids[0, :, :topk].cpu()
+                records.append(AcceptanceRecord(logprobs, ids, continuation))
+            else:  # a DFlash2 lattice: all K candidates, each row a distribution over them
+                transitions = proposal.transitions[0].to("cpu", torch.float32)
+                records.append(LatticeRecord(transitions, proposal.unary.token_ids[0].cpu(), continuation))
         return records
 
     def discard(self) -> None:

@@ -15,8 +15,9 @@ What (`StartupCalibration.run`), on the server's own target ModelRunner before i
 - the same latency fit and step costs as `bastion calibrate` (`sweep.measure_step_costs`);
 - acceptance (`SglangMeasurement.greedy_records`): quick: 24 prompts and 32 roots each, full: 36 and 48, of
   ShareGPT's held-out split (no drafter training or default benchmark sees them; as many as the KV pool holds
-  at once), the target's greedy continuation in SGLang's own forwards and the drafter's top-K at every root;
-  fitted and scored as `bastion calibrate` does (`acceptance_run.fit_held_out`).
+  at once), the target's greedy continuation in SGLang's own forwards and the drafter's top-K at every root
+  (a DFlash2 drafter's lattice, whose map the worker applies to its transitions); fitted and scored as
+  `bastion calibrate` does (`acceptance_fit.fit_held_out`).
 The profile is marked `made_by` startup-quick or startup-full and written to the store, so the next start
 with the same identity reuses it. A store that cannot be written is logged as an error naming it; the server
 plans with the profile all the same, and measures again at its next start.
@@ -251,8 +252,9 @@ class StartupCalibration:
     def _acceptance(
         self, measurement: SglangMeasurement, settings: AcceptanceSettings
     ) -> AcceptanceResult | None:
-        """The drafter's acceptance calibration from greedy continuations in the server's own forwards, or
-        None (with a warning saying why: no prompts, no tokenizer, too few events to fit)."""
+        """The drafter's acceptance calibration (top-K or, for a DFlash2 drafter, lattice records) from
+        greedy continuations in the server's own forwards, or None (with a warning saying why: no prompts,
+        no tokenizer, too few events to fit)."""
         try:
             prompts = self._prompts_that_fit(prompt_token_ids(self.tokenizer_path, settings), settings)
             eos_ids = set(self.runner.model_config.hf_eos_token_id or ())
