@@ -366,13 +366,13 @@ class StepController:
         (a lattice's: its raw transitions along each node's path)."""
         trees, top, lattice = planned.trees, planned.top, planned.lattice
         if self.acceptance is None:
-            scores = trees.log_scores
+            scores = trees.on_host().log_scores  # no device read for host-built trees
         elif lattice is not None:
             transitions, ids = lattice.transitions, lattice.unary.token_ids
             scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, ids)
         else:
             scores = node_log_scores(trees.tokens, trees.parents, trees.depths, top.logprobs, top.token_ids)
-        gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric
+        gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric (a read on calibrated trees)
         return [1.0 + (float(gains[i, n - 1]) if n > 0 else 0.0) for i, n in enumerate(counts)]
 
     def end(self, record: StepRecord) -> None:

@@ -270,7 +270,9 @@ class BastionWorker(DFlashWorkerV2):
         )
         # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
         rows = self._rank_sync.share_rows(local_rows, True)
-        deepest = int(rows.depths.max()) if leads else None  # host sync: the draft horizon's observation
+        deepest = None  # the draft horizon's observation, read from the host trees on rank 0 (it plans)
+        if leads:
+            deepest = 0 if planned.trees is None else planned.trees.deepest(rows.width - 1)
         self._controller.record(step, planned, deepest)
         if rows.width == 1:
             return planned, None

@@ -25,7 +25,7 @@ Ordering within a depth uses a lexicographic rank: the rank tuple (p, r) compare
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -42,6 +42,30 @@ class DraftTreeBatch:
     parents: torch.Tensor  # [B, N] int64: parent index within the row, or ROOT (-1)
     depths: torch.Tensor  # [B, N] int64: 1..D
     log_scores: torch.Tensor  # [B, N] float64: non-increasing along each row
+    # the same trees on the host when a host builder made them (None: on the host already, or not kept)
+    host_copy: DraftTreeBatch | None = field(default=None, repr=False, compare=False)
+
+    def on_host(self) -> DraftTreeBatch:
+        """These trees on the host: themselves when they are there, the copy their host builder kept (no
+        device read), else a copy (one device-to-host read per field)."""
+        if self.tokens.device.type == "cpu":
+            return self
+        if self.host_copy is not None:
+            return self.host_copy
+        return DraftTreeBatch(self.tokens.cpu(), self.parents.cpu(), self.depths.cpu(), self.log_scores.cpu())
+
+    def to_device(self, device: torch.device) -> DraftTreeBatch:
+        """These host trees on `device`, keeping themselves as the host copy (themselves on the host)."""
+        if device.type == "cpu":
+            return self
+        fields = (self.tokens, self.parents, self.depths, self.log_scores)
+        return DraftTreeBatch(*(t.to(device) for t in fields), host_copy=self)
+
+    def deepest(self, nodes: int) -> int:
+        """The greatest depth among each row's first `nodes` nodes (0 for none), read on the host."""
+        if nodes <= 0:
+            return 0
+        return int(self.on_host().depths[:, :nodes].max())
 
     @property
     def batch_size(self) -> int:
@@ -225,12 +249,13 @@ def build_trees_host_unchecked(
     rows = [best_first_nodes(lattices[b], budget).to_tree(ids[b], host) for b in range(ids.shape[0])]
     if not rows:
         return DraftTreeBatch.empty(0, logprobs.device)
-    return DraftTreeBatch(
-        tokens=torch.stack([r.tokens for r in rows]).to(logprobs.device),
-        parents=torch.stack([r.parents for r in rows]).to(logprobs.device),
-        depths=torch.stack([r.depths for r in rows]).to(logprobs.device),
-        log_scores=torch.stack([r.log_scores for r in rows]).to(logprobs.device),
+    on_host = DraftTreeBatch(
+        tokens=torch.stack([r.tokens for r in rows]),
+        parents=torch.stack([r.parents for r in rows]),
+        depths=torch.stack([r.depths for r in rows]),
+        log_scores=torch.stack([r.log_scores for r in rows]),
     )
+    return on_host.to_device(logprobs.device)
 
 
 HOST_BUILDER_ROW_COST = 300

@@ -253,11 +253,12 @@ def horizon_gain(trees: DraftTreeBatch, horizon: int, depth: int, accept_scale: 
     proposes; accept_scale: [B] c_i."""
     if horizon >= depth:
         return 0.0
-    scores = trees.log_scores
-    at_horizon = torch.where(trees.depths == horizon, scores, torch.full_like(scores, -math.inf)).amax(dim=1)
+    host = trees.on_host()
+    scores = host.log_scores
+    at_horizon = torch.where(host.depths == horizon, scores, torch.full_like(scores, -math.inf)).amax(dim=1)
     bound = torch.where(torch.isinf(at_horizon), scores[:, -1], at_horizon)  # [B] log ρ
     scale = torch.tensor(list(accept_scale), dtype=torch.float64)
-    return float((scale * torch.exp(bound).cpu()).mean())
+    return float((scale * torch.exp(bound)).mean())
 
 
 def reachable_accept(accept_curve: Sequence[float], deeper_gain: float) -> np.ndarray:

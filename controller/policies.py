@@ -335,9 +335,12 @@ def plan_batch(
     The policy chooses (`BudgetPolicy.choose_batch`) on a `BatchObjective`, which prices all of its candidate
     plans (every n for adaptive) with one latency prediction; the reported estimates are those of the chosen
     plan (at a common n: the values the policy compared).
-    trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Syncs scores to the host once.
+    trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Reads the scores on the host
+    (`DraftTreeBatch.on_host`: no device read for trees a host builder made).
     """
-    objective = BatchObjective.from_log_scores(trees.log_scores, ctx_lens, latency, costs, accept_scale)
+    objective = BatchObjective.from_log_scores(
+        trees.on_host().log_scores, ctx_lens, latency, costs, accept_scale
+    )
     counts = policy.choose_batch(objective, common_width)
     chosen = np.array(counts, dtype=np.int64)
     common = len(set(counts)) == 1

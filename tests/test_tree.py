@@ -20,7 +20,11 @@ from bastion_sglang.controller import (
     build_trees_host,
     expected_accept_length,
 )
-from bastion_sglang.controller.batched import build_trees_auto_unchecked, builds_on_host
+from bastion_sglang.controller.batched import (
+    build_trees_auto_unchecked,
+    build_trees_host_unchecked,
+    builds_on_host,
+)
 
 
 def random_draft(
@@ -225,3 +229,15 @@ def test_auto_builder_takes_the_host_for_small_cuda_batches_and_the_beam_for_lar
     for batch, budget in ((32, 128), (32, 256), (32, 1024), (64, 64)):  # the beam faster there
         assert not builds_on_host(batch, budget, cuda), (batch, budget)
     assert builds_on_host(64, 1024, cpu)
+
+
+def test_host_built_trees_keep_their_host_copy_for_planning_reads() -> None:
+    logprobs, token_ids = random_draft(torch.Generator().manual_seed(5), 4, 3, ties=False, batch=3)
+    on_host = build_trees_host_unchecked(logprobs, token_ids, 6)
+    assert on_host.host_copy is None and on_host.on_host() is on_host
+    assert on_host.to_device(torch.device("cpu")) is on_host
+    # trees on another device (meta: no data) answer host reads from the copy their builder kept
+    elsewhere = on_host.to_device(torch.device("meta"))
+    assert elsewhere.tokens.device.type == "meta" and elsewhere.on_host() is on_host
+    assert elsewhere.deepest(4) == int(on_host.depths[:, :4].max()) and elsewhere.deepest(0) == 0
+    assert elsewhere.deepest(6) == int(on_host.depths.max()) >= elsewhere.deepest(1) == 1
