@@ -10,15 +10,15 @@ own greedy walk every step; module-scoped, since Engines are slow to start on tw
   without speculation (overlap off: SGLang's overlap scheduler applies penalties a step late). Seeded
   requests cannot equal SGLang's own sampler (BASTION's walk draws each position's uniform from the seed and
   the position), so they equal each other across the two policies, whose trees differ.
-- the successor pair: a target whose next token is a fixed permutation σ of the current one (its layers add
-  nothing to the residual stream; its LM head row σ(t) is a multiple of the final-norm state of t), and a
-  DFlash2 drafter whose backbone knows nothing (every slot's state is the MASK token's, so its candidates
-  are the whole vocabulary in one fixed order with softcapped, flat unary logits) while its selector knows σ
-  (the transition score from candidate p to candidate c is ALPHA when c = σ(p), and slot 0 reads the root).
-  Only a lattice anchored at the root whose transitions read the predecessor is accepted far, so the mean
-  accepted length (completion tokens per verify pass) of greedy requests catches a broken lattice; greedy
-  outputs must be σ's orbit of the last prompt token (the target's own argmax), and seeded outputs equal
-  across policies.
+- the successor pair (drafter blocks of 8 tokens; the random pair's are 16): a target whose next token is a
+  fixed permutation σ of the current one (its layers add nothing to the residual stream; its LM head row
+  σ(t) is a multiple of the final-norm state of t), and a DFlash2 drafter whose backbone knows nothing
+  (every slot's state is the MASK token's, so its candidates are the whole vocabulary in one fixed order
+  with softcapped, flat unary logits) while its selector knows σ (the transition score from candidate p to
+  candidate c is ALPHA when c = σ(p), and slot 0 reads the root). Only a lattice anchored at the root whose
+  transitions read the predecessor is accepted far, so the mean accepted length (completion tokens per
+  verify pass) of greedy requests catches a broken lattice; greedy outputs must be σ's orbit of the last
+  prompt token (the target's own argmax), and seeded outputs equal across policies.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ SUCCESSOR_SEEDED = [(PROMPTS[4], dict(SEEDED, sampling_seed=3)), (PROMPTS[5], di
 POLICIES = ("fixed:16", "chain")
 BETA = 0.15  # the successor target's head scale: σ(t)'s logit 64·BETA, the others about N(0, (8·BETA)²)
 ALPHA = 16.0  # the successor drafter's transition score to σ(p), against unary logits within (-2, 2)
+SUCCESSOR_BLOCK = 8
+"""The successor drafter's block size (the random one's is 16): DFlash2 blocks of 8 and 16 both served."""
 MIN_SUCCESSOR_ACCEPT = 4.0  # greedy tokens per verify pass; a broken anchor or transition gives about 1
 
 
@@ -133,7 +135,12 @@ def make_successor_pair(root: Path) -> tuple[tuple[Path, Path], torch.Tensor]:
     head[sigma] = BETA * _rms_normed(embed)  # row σ(t) scores the final-norm state of t
     _edit_weights(target, "model.safetensors", _silent_layers(weights) | {"lm_head.weight": head})
     drafter = make_tiny_dflash2_drafter(
-        root / "successor_drafter", target, rank=VOCAB, top_k=VOCAB, final_logit_softcapping=2.0
+        root / "successor_drafter",
+        target,
+        rank=VOCAB,
+        top_k=VOCAB,
+        final_logit_softcapping=2.0,
+        block_size=SUCCESSOR_BLOCK,
     )
     _read_layer_ids(drafter)
     draft_weights = load_file(str(drafter / "model.safetensors"))
