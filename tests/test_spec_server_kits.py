@@ -79,9 +79,13 @@ POLICY = "fixed:8"
 """Every decode step verifies an 8-node tree. The suite runs servers without start-up calibration
 (tests/conftest.py), and without an acceptance calibration adaptive's gate skips the drafter on most steps
 (docs/benchmarks.md, step anatomy): the kits would then test plain steps."""
-RADIX_NODES = 40
-RADIX_CHUNK_LEN = 64
-ABORT_KIT_NEW_TOKENS = 128
+RADIX_NODES = 24
+RADIX_CHUNK_LEN = 48
+ABORT_KIT_NEW_TOKENS = 32
+"""The suite's sizes (SGLang's: 400 requests, 256, 1,024). On the 2-core machine beside other suites (load 4
+to 9) a tree of 40 requests with steps of up to 64 tokens took 545 s and the abort test with 128 new tokens
+per surviving request 1,013 s, of the lane's 2,444 s; at these sizes the two took 57 s and 22 s (load 1
+to 2)."""
 DEMO_DRAFTER = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct-dflash"
 KV_POOL_TOKENS = 32768
 """KV tokens of each server (fp32 demo target: ~46 KB a token, 1.5 GB); SGLang sizes a GPU pool by
