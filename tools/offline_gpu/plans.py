@@ -349,6 +349,29 @@ def demo_pair(commit: str, sizes: Sizes, concurrency: int, half: str) -> Item:
     return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
 
 
+ASSEMBLE_DFLASH2 = (
+    "DFLASH2=$(python3 -c "
+    '"from bastion_sglang.demo_drafters import assemble_dflash2; print(assemble_dflash2())")'
+)
+"""Writes the demo DFlash2 drafter's complete checkpoint (backbone and selector) and names its folder."""
+
+
+def demo_dflash2_pair(commit: str, sizes: Sizes, concurrency: int) -> Item:
+    """The demo DFlash2 pair at one concurrency: ar, SGLang's own DFlash2 chain (`dflash`), BASTION's lattice
+    chain, fixed:16 lattice trees and adaptive."""
+    name = f"demo-dflash2-pair-c{concurrency}"
+    bench = demo_bench(concurrency, "ar,dflash,chain,fixed:16,adaptive", "off", "bench-off")
+    bench = bench.replace(f"--draft-model-path {DEMO_DRAFTER}", "--draft-model-path $DFLASH2")
+    needs = (DEMO_DRAFTER, "models/smollm2-135m-instruct-dflash2")
+    first = f"{ASSEMBLE_DFLASH2} && {bench}"
+    commands = _setup_commands(name, commit, sizes, first, 10 * DEMO_ENGINE_RUN_S, needs, demo_target=True)
+    title = (
+        f"bastion bench in SGLang on the GPU, demo DFlash2 pair, concurrency {concurrency}, T = 0 and 0.7, "
+        "2 repeats: ar, dflash (SGLang's DFlash2 chain), BASTION's lattice chain, fixed:16, adaptive"
+    )
+    return Item(name, title, (BUILD_CARRY, BUILD_BUNDLE), tuple(commands))
+
+
 STARTUP_CALIBRATE_S = 300
 """`bastion calibrate --engine sglang` of the demo pair on the GPU (7 widths × 7 contexts, 5 repeats) with its
 acceptance run on 24 prompts, then `benchmarks/startup_calibration.py`: three Engine starts and the held-out
@@ -546,6 +569,7 @@ def all_items(commit: str, sizes: Sizes) -> tuple[Item, ...]:
         *(demo_pair(commit, sizes, c, half) for c in CONCURRENCIES for half in ("a", "b")),
         demo_startup_calibration(commit, sizes),
         demo_step_anatomy(commit, sizes),
+        *(demo_dflash2_pair(commit, sizes, c) for c in (1, 8)),
         *(qwen3_8b_dummy(commit, sizes, part) for part in ("calibrate", "anatomy-c1-c8", "anatomy-c32")),
         qwen3_8b_synthetic(commit, sizes),
         controller_bench(commit, sizes),
