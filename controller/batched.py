@@ -54,6 +54,19 @@ class DraftTreeBatch:
             return self.host_copy
         return DraftTreeBatch(self.tokens.cpu(), self.parents.cpu(), self.depths.cpu(), self.log_scores.cpu())
 
+    @classmethod
+    def stack_on(cls, rows: list[DraftTree], device: torch.device) -> DraftTreeBatch:
+        """Host-built trees of equal node count, stacked and moved to `device` (the host copy kept)."""
+        if not rows:
+            return cls.empty(0, device)
+        on_host = cls(
+            tokens=torch.stack([r.tokens for r in rows]),
+            parents=torch.stack([r.parents for r in rows]),
+            depths=torch.stack([r.depths for r in rows]),
+            log_scores=torch.stack([r.log_scores for r in rows]),
+        )
+        return on_host.to_device(device)
+
     def to_device(self, device: torch.device) -> DraftTreeBatch:
         """These host trees on `device`, keeping themselves as the host copy (themselves on the host)."""
         if device.type == "cpu":
@@ -247,15 +260,7 @@ def build_trees_host_unchecked(
     ids = token_ids.detach().to("cpu").numpy()
     host = torch.device("cpu")
     rows = [best_first_nodes(lattices[b], budget).to_tree(ids[b], host) for b in range(ids.shape[0])]
-    if not rows:
-        return DraftTreeBatch.empty(0, logprobs.device)
-    on_host = DraftTreeBatch(
-        tokens=torch.stack([r.tokens for r in rows]),
-        parents=torch.stack([r.parents for r in rows]),
-        depths=torch.stack([r.depths for r in rows]),
-        log_scores=torch.stack([r.log_scores for r in rows]),
-    )
-    return on_host.to_device(logprobs.device)
+    return DraftTreeBatch.stack_on(rows, logprobs.device)
 
 
 HOST_BUILDER_ROW_COST = 300

@@ -245,12 +245,4 @@ def build_lattice_trees(
         raise ValueError(f"token_ids must be [B, D, K], got shape {tuple(token_ids.shape)}")
     capped_host, ids_host = capped.cpu(), token_ids.cpu()  # one copy each for the host search
     rows = [build_lattice_tree(capped_host[b], ids_host[b], nodes) for b in range(int(capped.shape[0]))]
-    if not rows:
-        return DraftTreeBatch.empty(0, lattice_logprobs.device)
-    on_host = DraftTreeBatch(
-        tokens=torch.stack([r.tokens for r in rows]),
-        parents=torch.stack([r.parents for r in rows]),
-        depths=torch.stack([r.depths for r in rows]),
-        log_scores=torch.stack([r.log_scores for r in rows]),
-    )
-    return on_host.to_device(lattice_logprobs.device)
+    return DraftTreeBatch.stack_on(rows, lattice_logprobs.device)
