@@ -204,14 +204,7 @@ def check_accepted_kv_moves(
 
 def check_window_kv_moves(order: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> None:
     """order [B, W] int64, W >= 1; keep [B] int64; slots [B, W] int64; one device."""
-    _require_tensor("order", order)
-    _require_int64("order", order, "[B, W]", 2)
-    if order.shape[1] == 0:
-        raise ValueError("order must have width W >= 1 (column 0 is the root)")
-    _require_tensor("keep", keep)
-    _require_int64("keep", keep, "[B]", 1)
-    _require_shape("keep", keep, (order.shape[0],), "[B]")
-    _require_device("keep", keep, order.device)
+    _check_rows_and_counts("order", order, "keep", keep)
     _require_tensor("slots", slots)
     _require_int64("slots", slots, "[B, W]", 2)
     _require_shape("slots", slots, tuple(order.shape), "[B, W] like order")
@@ -220,14 +213,21 @@ def check_window_kv_moves(order: torch.Tensor, keep: torch.Tensor, slots: torch.
 
 def check_compaction_order(accept_index: torch.Tensor, accept_length: torch.Tensor) -> None:
     """accept_index [B, W] int64, W >= 1; accept_length [B] int64; one device."""
-    _require_tensor("accept_index", accept_index)
-    _require_int64("accept_index", accept_index, "[B, W]", 2)
-    if accept_index.shape[1] == 0:
-        raise ValueError("accept_index must have width W >= 1 (slot 0 is the root)")
-    _require_tensor("accept_length", accept_length)
-    _require_int64("accept_length", accept_length, "[B]", 1)
-    _require_shape("accept_length", accept_length, (accept_index.shape[0],), "[B]")
-    _require_device("accept_length", accept_length, accept_index.device)
+    _check_rows_and_counts("accept_index", accept_index, "accept_length", accept_length)
+
+
+def _check_rows_and_counts(
+    rows_name: str, rows: torch.Tensor, counts_name: str, counts: torch.Tensor
+) -> None:
+    """rows [B, W] int64 whose column 0 is the root (W >= 1); counts [B] int64 on the same device."""
+    _require_tensor(rows_name, rows)
+    _require_int64(rows_name, rows, "[B, W]", 2)
+    if rows.shape[1] == 0:
+        raise ValueError(f"{rows_name} must have width W >= 1 (column 0 is the root)")
+    _require_tensor(counts_name, counts)
+    _require_int64(counts_name, counts, "[B]", 1)
+    _require_shape(counts_name, counts, (rows.shape[0],), "[B]")
+    _require_device(counts_name, counts, rows.device)
 
 
 def check_committed_tokens(tokens: torch.Tensor, order: torch.Tensor, accept: AcceptResult) -> None:
