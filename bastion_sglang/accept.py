@@ -140,13 +140,19 @@ class Acceptor:
         [B, V] the roots' logits (processed here, in place); seeds: [B]; seq_lens: [B] L_b + 1, the position
         of each target token; commit_lens: [B] int32 ones (one token each)."""
         self.process_logits(batch, logits, rows, contexts)
+        targets = self.draw(batch, logits, seeds, seq_lens)
+        self.recent_outputs.record(batch.reqs, targets.tokens[:, None], commit_lens)
+        return targets
+
+    def draw(
+        self, batch: ScheduleBatch, logits: torch.Tensor, seeds: torch.Tensor, seq_lens: torch.Tensor
+    ) -> RootTargets:
+        """The target's token of each request from its processed logits [B, V] (read only): the argmax, or
+        the sample at its position's uniform. seeds: [B] int64; seq_lens: [B] the position of each token."""
         probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, seq_lens[:, None])
         if probs is None:
-            targets = torch.argmax(logits, dim=-1)
-        else:
-            targets = kernels.sample_tokens(probs[:, 0], uniforms[:, 0])
-        self.recent_outputs.record(batch.reqs, targets[:, None], commit_lens)
-        return RootTargets(targets, probs)
+            return RootTargets(torch.argmax(logits, dim=-1), None)
+        return RootTargets(kernels.sample_tokens(probs[:, 0], uniforms[:, 0]), probs)
 
     def walk(
         self,

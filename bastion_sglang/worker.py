@@ -40,6 +40,7 @@ from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.lattice_plan import plan_draft
 from bastion_sglang.metrics import BastionMetrics, scheduler_metric_labels
 from bastion_sglang.planning_setup import worker_step_controller
+from bastion_sglang.prefill_redraw import PrefillRedraw
 from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
 from bastion_sglang.request_outputs import (
     attach_prefill_hidden_states,
@@ -89,6 +90,7 @@ class BastionWorker(DFlashWorkerV2):
         capture_final_hidden_states(self)  # before the target's graphs are captured
         vocab_size = int(self.model_runner.model_config.vocab_size)
         self._acceptor = Acceptor(vocab_size, str(get_exec().kernel.sampling_backend))
+        self._prefill_redraw = PrefillRedraw(self._acceptor, self.model_runner)
         group = scheduler_group()  # None with one TP rank
         self._rank_sync = RankSync(group)
         self._drafter = DrafterForward(
@@ -190,17 +192,22 @@ class BastionWorker(DFlashWorkerV2):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self._controller.after_prefill()
             self._context.write_held()
-            result = super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
+            seeds = torch.tensor(
+                [self._seed_for(req) for req in batch.reqs], dtype=torch.int64, device=self.device
+            )
+            with self._prefill_redraw.around(batch, seeds):  # a retracted request's token is BASTION's
+                result = super().forward_batch_generation(
+                    batch, on_publish, grammar_barrier, pp_proxy_tensors
+                )
             attach_prefill_hidden_states(batch, result.logits_output)
             prefill_tokens = result.next_token_ids.to(torch.int64)
             self._acceptor.recent_outputs.record(
                 batch.reqs, prefill_tokens[:, None], torch.ones_like(prefill_tokens)
             )
-            seeds = [self._seed_for(req) for req in batch.reqs]
             result.next_draft_input = BastionDraftInput(
                 bonus_tokens=prefill_tokens,
                 new_seq_lens=batch.seq_lens.to(torch.int64),
-                seeds=torch.tensor(seeds, dtype=torch.int64, device=self.device),
+                seeds=seeds,
                 reserve=self._reserve,
             )
             return result
