@@ -2,13 +2,13 @@
 
 Each verify row's logits get, in SGLang's order, the request's output penalties for the output so far plus the
 row's own path (`kernels.apply_tree_penalties`), the grammar along the path (SGLang's `GrammarTree`), then the
-request's logit_bias. T = 0: `kernels.accept_greedy`, the longest path matching the target's argmax; otherwise
-`kernels.accept_sampling` on the target's processed distribution (temperature, top-k, top-p, min-p exactly as
-SGLang's sampler filters them, `sglang_adapter.target_sampling_probs`) with uniforms hashed from the request's
-seed and the sequence position (`kernels.position_uniforms`: seeded output is batch-invariant). A step of
-width 1 (the roots alone) emits the target's token after each root: the argmax, or a sample with the same
-uniforms.
-"""
+request's logit_bias. The target's token after each row is then its argmax (T = 0) or its sample
+(`kernels.sample_tokens`) from the target's processed distribution (temperature, top-k, top-p, min-p exactly
+as SGLang's sampler filters them, `sglang_adapter.target_sampling_probs`) with uniforms hashed from the
+request's seed and the sequence position (`kernels.position_uniforms`: seeded output is batch-invariant), and
+`kernels.accept_paths` takes the longest path of draft nodes matching those tokens (the accept walk), its
+compaction order and the step's output rows. A step of width 1 (the roots alone) emits the target's token
+after each root: the argmax, or a sample with the same uniforms."""
 
 from __future__ import annotations
 
@@ -166,18 +166,21 @@ class Acceptor:
     ) -> TreeAccept:
         """The accept walk over verify rows [B, W] (W > 1): the accepted path and bonus of each request,
         recorded as the step's output. logits: [B * W, V] of the rows (processed here, in place); seeds: [B];
-        prefix: [B] committed lengths."""
+        prefix: [B] committed lengths. After the logit processing its ops are fixed by (B, W) and whether any
+        request samples (`kernels.accept_paths` on the argmax or on `kernels.sample_tokens`); no host sync."""
         bs, width = rows.tokens.shape
+        ancestors = row_logits.ancestors
+        if ancestors is None:
+            raise ValueError(f"the accept walk over rows of width {width} needs their ancestor mask")
         self.process_logits(batch, logits, row_logits, contexts)
-        positions = prefix[:, None] + 1 + rows.depths
-        probs, uniforms = self.sampling_inputs(batch, logits, width, seeds, positions)
-        accept = (
-            kernels.accept_greedy(rows, logits.view(bs, width, -1))
-            if probs is None
-            else kernels.accept_sampling(rows, probs, uniforms)
-        )
-        order = kernels.compaction_order(accept.accept_index, accept.accept_length)
-        out_tokens = kernels.committed_tokens(rows.tokens, order, accept)
-        commit_lens = (accept.accept_length + 1).to(torch.int32)
-        self.recent_outputs.record(batch.reqs, out_tokens, commit_lens)
-        return TreeAccept(order, out_tokens, commit_lens, accept.bonus_tokens, probs)
+        probs = None
+        if batch.sampling_info.is_all_greedy:
+            target_tokens = torch.argmax(logits.view(bs, width, -1), dim=-1)
+        else:
+            positions = prefix[:, None] + 1 + rows.depths  # [B, W] the position of each row's next token
+            probs, uniforms = self.sampling_inputs(batch, logits, width, seeds, positions)
+            samples = kernels.sample_tokens(probs.reshape(bs * width, -1), uniforms.reshape(-1))
+            target_tokens = samples.view(bs, width)
+        paths = kernels.accept_paths(rows, ancestors, target_tokens)
+        self.recent_outputs.record(batch.reqs, paths.out_tokens, paths.commit_lens)
+        return TreeAccept(paths.order, paths.out_tokens, paths.commit_lens, paths.bonus_tokens, probs)

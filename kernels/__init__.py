@@ -7,11 +7,12 @@ when their inputs are CUDA tensors and `triton` is installed, and the torch refe
 on that path, so importing this package never needs a GPU driver.
 
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
-`build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify ->
-`accept_greedy` / `accept_sampling` (uniforms from `position_uniforms`) -> `compaction_order` /
-`committed_tokens` (the SGLang worker permutes KV slots with pages of one token, and copies the slots of
-`window_kv_moves` with larger pages) or `accepted_kv_moves` -> `apply_kv_moves` (the reference engine copies
-KV rows).
+`build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify -> the SGLang worker's
+`accept_paths` on the target's argmax or `sample_tokens` (uniforms from `position_uniforms`): the accepted
+paths, their compaction order and output rows in one op of fixed shape (it permutes KV slots by that order
+with pages of one token, and copies the slots of `window_kv_moves` with larger pages); the reference engine's
+`accept_greedy` / `accept_sampling` -> `accepted_kv_moves` -> `apply_kv_moves` (it copies KV rows).
+`compaction_order` and `committed_tokens` compute `accept_paths`' order and rows from an `accept_walk`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import importlib.util
 
 import torch
 
-from bastion_sglang.kernels import checks, reference
+from bastion_sglang.kernels import checks, paths, reference
+from bastion_sglang.kernels.paths import AcceptedPaths
 from bastion_sglang.kernels.penalties import OutputPenalties, Penalty, apply_tree_penalties
 from bastion_sglang.kernels.sampling import FilterRule, filter_rule, processed_probs
 from bastion_sglang.kernels.types import (
@@ -39,6 +41,7 @@ __all__ = [
     "NO_MOVE",
     "NO_NODE",
     "AcceptResult",
+    "AcceptedPaths",
     "DraftTopK",
     "DraftTreeRows",
     "FilterRule",
@@ -48,6 +51,7 @@ __all__ = [
     "TreeBatch",
     "VerifyLayout",
     "accept_greedy",
+    "accept_paths",
     "accept_roots",
     "accept_sampling",
     "accept_walk",
@@ -175,6 +179,22 @@ def accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> AcceptResult
     """
     checks.check_accept_greedy(trees, target_logits)
     return _accept_walk_unchecked(trees, torch.argmax(target_logits, dim=-1))
+
+
+def accept_paths(trees: TreeBatch, ancestors: torch.Tensor, target_tokens: torch.Tensor) -> AcceptedPaths:
+    """What a tree step commits, in one op of fixed shape: `accept_walk`, `compaction_order`,
+    `committed_tokens` and the tokens emitted, from the acceptance of each node.
+
+    trees: TreeBatch [B, W] (sibling tokens distinct). ancestors: [B, W, W] bool, the rows'
+    `VerifyLayout.ancestor_mask`. target_tokens: [B, W] int64, the token the target emits after each position
+    (its argmax, or `sample_tokens` of its distribution). Returns AcceptedPaths: order [B, W] (the accepted
+    path root first, then the other positions ascending), out_tokens [B, W] (accepted draft tokens, the
+    bonus, zeros), commit_lens [B] int32 (accepted nodes + 1), bonus_tokens [B]: what `accept_walk` followed
+    by `compaction_order` and `committed_tokens` gives. Thirteen torch ops whatever the rows hold, each of
+    shape [B, W] or [B, W, W], on every device; no host sync.
+    """
+    checks.check_accept_paths(trees, ancestors, target_tokens)
+    return paths.accept_paths(trees, ancestors, target_tokens)
 
 
 def accept_roots(target_tokens: torch.Tensor) -> AcceptResult:

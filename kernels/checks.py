@@ -132,6 +132,17 @@ def check_accept_walk(trees: TreeBatch, target_tokens: torch.Tensor) -> None:
     _require_device("target_tokens", target_tokens, trees.tokens.device)
 
 
+def check_accept_paths(trees: TreeBatch, ancestors: torch.Tensor, target_tokens: torch.Tensor) -> None:
+    """trees: a TreeBatch [B, W]; ancestors [B, W, W] bool; target_tokens [B, W] int64; one device."""
+    check_accept_walk(trees, target_tokens)
+    _require_tensor("ancestors", ancestors)
+    batch, width = _shape(trees.tokens)
+    _require_shape("ancestors", ancestors, (batch, width, width), "[B, W, W] for trees [B, W]")
+    if ancestors.dtype != torch.bool:
+        raise ValueError(f"ancestors must be bool, got {ancestors.dtype}")
+    _require_device("ancestors", ancestors, trees.tokens.device)
+
+
 def check_accept_roots(target_tokens: torch.Tensor) -> None:
     """target_tokens [B] int64."""
     _require_tensor("target_tokens", target_tokens)
