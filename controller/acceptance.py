@@ -57,6 +57,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 from scipy.optimize import minimize
 
+from bastion_sglang.controller.fast_tree import host_draft
 from bastion_sglang.controller.tree import DraftTree, build_tree
 
 MIN_POSITIVE_EVENTS = 30
@@ -172,9 +173,8 @@ class AcceptanceRecord:
         return int(self.logprobs.shape[0])
 
     def events(self, depths: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """`DrafterPass.events`: depth d reads row d - 1 of the top-K."""
-        lp = self.logprobs.detach().to("cpu", torch.float64).numpy()
-        ids = self.token_ids.detach().to("cpu").numpy()
+        """`DrafterPass.events`: depth d reads row d - 1 of the top-K (read to the host in one copy)."""
+        lp, ids = host_draft(self.logprobs, self.token_ids)
         for d, target in enumerate(self.continuation[: min(depths, lp.shape[0])]):
             match = ids[d] == target
             yield lp[d], match.astype(np.float64)

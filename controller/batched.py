@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from bastion_sglang.controller.fast_tree import best_first_nodes
+from bastion_sglang.controller.fast_tree import best_first_nodes, host_draft
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
 
 
@@ -255,9 +255,9 @@ def build_trees_host(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: in
 def build_trees_host_unchecked(
     logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
 ) -> DraftTreeBatch:
-    """`build_trees_host` without input validation, for callers that produced the arrays themselves."""
-    lattices = logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()  # host copy for the search
-    ids = token_ids.detach().to("cpu").numpy()
+    """`build_trees_host` without input validation, for callers that produced the arrays themselves. The
+    draft reaches the host in one copy (`fast_tree.host_draft`: log-probs and ids packed on their device)."""
+    lattices, ids = host_draft(logprobs, token_ids)  # [B, D, K] float64 and int64, one host copy
     host = torch.device("cpu")
     rows = [best_first_nodes(lattices[b], budget).to_tree(ids[b], host) for b in range(ids.shape[0])]
     return DraftTreeBatch.stack_on(rows, logprobs.device)
@@ -278,7 +278,8 @@ def builds_on_host(batch: int, budget: int, device: torch.device) -> bool:
     cuda`, medians, µs, host / beam): B = 1: 407 / 4937 at budget 64, 796 / 5890 at 1024; B = 8: 1371 /
     4754 at 64, 4750 / 7505 at 1024; B = 32: 4196 / 4712 at 64, 5191 / 4692 at 128, 16910 / 7689 at 1024.
     batch · (budget + 300) <= 12000 separates these cases; the plan stage syncs with the host anyway
-    (`plan_batch` reads the scores), so the host builder adds no sync of its own.
+    (`plan_batch` reads the scores), so the host builder adds no sync of its own beyond its one copy of the
+    draft (log-probs and ids together, `fast_tree.host_draft`).
     """
     if device.type != "cuda":
         return True

@@ -59,6 +59,7 @@ the rank-0 node, whose score is its logprob), so ties are the same ties.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +153,30 @@ class _Candidates:
         self.size += scores.shape[0]
 
 
+def host_draft(values: torch.Tensor, token_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """`values` and `token_ids` on the host, read together by ONE device-to-host copy (one host sync where
+    they live on a device, where two copies would be two).
+
+    values: [*L, *R] floating (a top-K's [.., D, K] log-probs, a lattice's [.., D, K, K] transitions);
+    token_ids: [*L, k] integer, on the same device, L = token_ids.shape[:-1]. On their device both go into
+    one int64 tensor [*L, Π R + k]: the values widened to float64 (exact from any float dtype) and bit-cast,
+    beside the ids widened to int64 (exact); that tensor is copied to the host once and split there.
+    Returns (float64 values of shape [*L, *R], int64 ids of shape [*L, k]): the inputs' values bit for bit,
+    as numpy views of the one copy. ValueError when the leading shapes differ.
+    """
+    lead = tuple(token_ids.shape[:-1])
+    if tuple(values.shape[: len(lead)]) != lead:
+        raise ValueError(
+            f"values of shape {tuple(values.shape)} do not lead with token_ids' {lead} (token_ids "
+            f"{tuple(token_ids.shape)})"
+        )
+    width = math.prod(values.shape[len(lead) :])
+    flat = values.detach().to(torch.float64).reshape(*lead, width)
+    packed = torch.cat((flat.view(torch.int64), token_ids.detach().to(torch.int64)), dim=-1)
+    host = packed.cpu().numpy()  # the one copy: a host sync where the draft lives on a device
+    return host[..., :width].view(np.float64).reshape(values.shape), host[..., width:]
+
+
 def host_values(logprobs: torch.Tensor) -> np.ndarray:
     """[D, K] log-probs as a float32 or float64 host array holding exactly the draft's values (half-precision
     drafts widened to float32, which is exact)."""
@@ -171,16 +196,27 @@ def checked_host_values(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.n
     float32 or float64 (`host_values`). Raises the ValueErrors of `validate_draft`."""
     validate_layout(logprobs, token_ids, batched=False)
     values = host_values(logprobs)
-    # rows sorted descending from a first entry <= 0: every entry <= 0; NaN fails every comparison
-    holds = np.count_nonzero(values[:, 0] <= 0.0) + np.count_nonzero(values[:, 1:] <= values[:, :-1])
-    if holds != values.size:
-        validate_draft(logprobs, token_ids, batched=False)  # raises, naming the problem
+    _check_rows(values, logprobs, token_ids)
     return values
 
 
-def checked_host_draft(logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
-    """`checked_host_values` widened: [D, K] float64, the values of `host_logprobs`."""
-    return checked_host_values(logprobs, token_ids).astype(np.float64)
+def checked_host_pair(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """`validate_draft` of one [D, K] draft, the values checked on the host copy that `host_draft` reads in
+    one transfer; returns that copy, ([D, K] float64 values, [D, K] int64 ids). Raises the ValueErrors of
+    `validate_draft`."""
+    validate_layout(logprobs, token_ids, batched=False)
+    values, ids = host_draft(logprobs, token_ids)
+    _check_rows(values, logprobs, token_ids)
+    return values, ids
+
+
+def _check_rows(values: np.ndarray, logprobs: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Raise the ValueError of `validate_draft` unless the [D, K] host values (an exact copy of `logprobs`,
+    maybe widened) have rows sorted descending from a first entry <= 0 (then every entry is <= 0; NaN fails
+    every comparison)."""
+    holds = np.count_nonzero(values[:, 0] <= 0.0) + np.count_nonzero(values[:, 1:] <= values[:, :-1])
+    if holds != values.size:
+        validate_draft(logprobs, token_ids, batched=False)  # raises, naming the problem
 
 
 def host_token_ids(token_ids: torch.Tensor) -> np.ndarray:
@@ -197,9 +233,9 @@ def build_tree_fast(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
     Returns a DraftTree on the device of `logprobs` (int64 tokens, parents and depths, float64 log_scores).
     Raises the ValueErrors of `build_tree` on bad input. Runs on the host.
     """
-    lattice = checked_host_draft(logprobs, token_ids)
+    lattice, ids = checked_host_pair(logprobs, token_ids)  # one host copy of the values and the ids
     validate_budget(budget)
-    return best_first_nodes(lattice, budget).to_tree(host_token_ids(token_ids), logprobs.device)
+    return best_first_nodes(lattice, budget).to_tree(ids, logprobs.device)
 
 
 def best_first_nodes(logprobs: np.ndarray, budget: int) -> HostNodes:

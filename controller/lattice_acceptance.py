@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.fast_tree import host_draft
 from bastion_sglang.controller.lattice_tree import build_lattice_tree
 from bastion_sglang.controller.tree import DraftTree
 
@@ -51,9 +52,8 @@ class LatticeRecord:
     def events(self, depths: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """`acceptance.DrafterPass.events`: depth d reads row [d - 1, p], p the candidate index of the
         target's token at depth d - 1 (0 at depth 1); stops after the first depth whose slot lacks the
-        target's token."""
-        rows = self.transitions.detach().to("cpu", torch.float64).numpy()
-        ids = self.token_ids.detach().to("cpu").numpy()
+        target's token. The transitions and candidates are read to the host in one copy."""
+        rows, ids = host_draft(self.transitions, self.token_ids)
         parent = 0
         for d, target in enumerate(self.continuation[: min(depths, rows.shape[0])]):
             match = ids[d] == target

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from bastion_sglang.controller.batched import DraftTreeBatch, lattice_size
+from bastion_sglang.controller.fast_tree import host_draft
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
 
 
@@ -68,29 +69,50 @@ def selector_logprobs(scores: torch.Tensor, temperature: float | torch.Tensor = 
     return torch.log_softmax(scores.float() / temps[..., None, None, None], dim=-1)
 
 
-def validate_lattice(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> np.ndarray:
-    """Check one selector lattice; return it as a [D, K, K] float64 host array. ValueError naming the problem.
+def validate_lattice(
+    lattice_logprobs: torch.Tensor, token_ids: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check one selector lattice; return it and its candidates on the host, read by one copy
+    (`fast_tree.host_draft`): ([D, K, K] float64, [D, K] int64). ValueError naming the problem.
 
     lattice_logprobs: [D, K, K] floating log-probs, <= 0 (-inf allowed), no NaN, every entry checked (row
     [0, p > 0] included, although only row [0, 0] is read). token_ids: [D, K] integer.
     """
-    if lattice_logprobs.dim() != 3 or lattice_logprobs.shape[1] != lattice_logprobs.shape[2]:
-        raise ValueError(f"lattice_logprobs must be [D, K, K], got shape {tuple(lattice_logprobs.shape)}")
-    depth_count, width = lattice_logprobs.shape[:2]
-    if depth_count == 0 or width == 0:
+    validate_lattice_layout(lattice_logprobs, token_ids, batched=False)
+    values, ids = host_draft(lattice_logprobs, token_ids)  # exact widening, one host copy
+    check_lattice_values(values)
+    return values, ids
+
+
+def validate_lattice_layout(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, batched: bool) -> None:
+    """The shape and dtype checks of `validate_lattice` (not the values) of one lattice, or of a batch of
+    them ([B, D, K, K] and [B, D, K] when batched). ValueError naming the problem."""
+    lead = 1 if batched else 0
+    shape = tuple(lattice_logprobs.shape)
+    if lattice_logprobs.dim() != 3 + lead or shape[-1] != shape[-2]:
         raise ValueError(
-            f"lattice_logprobs need at least one slot and one candidate, got {tuple(lattice_logprobs.shape)}"
+            f"lattice_logprobs must be {'[B, D, K, K]' if batched else '[D, K, K]'}, got shape {shape}"
         )
-    if token_ids.shape != (depth_count, width):
+    depth_count, width = shape[lead : lead + 2]
+    if depth_count == 0 or width == 0:
+        raise ValueError(f"lattice_logprobs need at least one slot and one candidate, got {shape}")
+    if tuple(token_ids.shape) != shape[:-1]:
+        layout = (
+            f"[B, D, K] = [{shape[0]}, {depth_count}, {width}]"
+            if batched
+            else f"[D, K] = [{depth_count}, {width}]"
+        )
         raise ValueError(
-            f"token_ids must be [D, K] = [{depth_count}, {width}] for lattice_logprobs of shape "
-            f"{tuple(lattice_logprobs.shape)}, got {tuple(token_ids.shape)}"
+            f"token_ids must be {layout} for lattice_logprobs of shape {shape}, got {tuple(token_ids.shape)}"
         )
     if not lattice_logprobs.is_floating_point():
         raise ValueError(f"lattice_logprobs must be a floating tensor, got {lattice_logprobs.dtype}")
     if token_ids.is_floating_point() or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    values = lattice_logprobs.detach().to(device="cpu", dtype=torch.float64).numpy()  # exact widening
+
+
+def check_lattice_values(values: np.ndarray) -> None:
+    """The value checks of `validate_lattice` on one lattice's [D, K, K] float64 host copy."""
     if np.count_nonzero(values <= 0.0) != values.size:  # NaN fails the comparison too
         nan = np.isnan(values)
         if nan.any():
@@ -100,7 +122,6 @@ def validate_lattice(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) ->
             f"lattice_logprobs must be log-probabilities (<= 0), found {values[worst]} at index "
             f"{[int(i) for i in worst]}"
         )
-    return values
 
 
 def build_lattice_tree(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
@@ -114,12 +135,17 @@ def build_lattice_tree(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, 
     log_scores formed as parent_score + logprob (depth 1: 0.0 + logprob, the first node its logprob), as
     `build_tree` forms them. ValueError on bad input. Runs on the host.
     """
-    values = validate_lattice(lattice_logprobs, token_ids)
+    values, ids = validate_lattice(lattice_logprobs, token_ids)
     validate_budget(budget)
+    return _lattice_tree(values, ids, budget, lattice_logprobs.device)
+
+
+def _lattice_tree(values: np.ndarray, ids: np.ndarray, budget: int, device: torch.device) -> DraftTree:
+    """`build_lattice_tree` of a checked host lattice: values [D, K, K] float64, ids [D, K] int64."""
     order = np.argsort(-values, axis=-1, kind="stable")  # [D, K, K]: each row's candidates by rank
     ranked = -np.sort(-values, axis=-1, kind="stable")  # [D, K, K]: their log-probs, the same order
     nodes = _best_first(ranked.ravel().tolist(), order.ravel().tolist(), values.shape[1], budget)
-    return _to_tree(*nodes, token_ids, lattice_logprobs.device)
+    return _to_tree(*nodes, ids, device)
 
 
 def _best_first(
@@ -169,12 +195,11 @@ def _to_tree(
     parents: Sequence[int],
     depths: Sequence[int],
     candidates: Sequence[int],
-    token_ids: torch.Tensor,
+    ids: np.ndarray,
     device: torch.device,
 ) -> DraftTree:
-    """The DraftTree of n nodes given as sequences of length n, on `device`. token_ids: [D, K]."""
+    """The DraftTree of n nodes given as sequences of length n, on `device`. ids: [D, K] int64 host array."""
     depth_array = np.array(depths, dtype=np.int64)
-    ids = token_ids.detach().cpu().numpy()
     fields = (
         ids[depth_array - 1, np.array(candidates, dtype=np.int64)].astype(np.int64, copy=False),
         np.array(parents, dtype=np.int64),
@@ -195,7 +220,7 @@ def lattice_chain(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> Dr
     lattice_logprobs: [D, K, K], token_ids: [D, K], validated as for `build_lattice_tree`.
     Returns a DraftTree on the device of `lattice_logprobs`; log_scores as `build_lattice_tree` forms them.
     """
-    values = validate_lattice(lattice_logprobs, token_ids)
+    values, ids = validate_lattice(lattice_logprobs, token_ids)
     best = np.argmax(values, axis=-1).tolist()  # [D][K]: the first maximal candidate of each row
     rows = values.tolist()
     candidate = best[0][0]
@@ -207,7 +232,7 @@ def lattice_chain(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> Dr
         scores.append(score)
         candidates.append(candidate)
     parents, depths = [ROOT, *range(len(rows) - 1)], list(range(1, len(rows) + 1))
-    return _to_tree(scores, parents, depths, candidates, token_ids, lattice_logprobs.device)
+    return _to_tree(scores, parents, depths, candidates, ids, lattice_logprobs.device)
 
 
 def cap_children(lattice_logprobs: torch.Tensor, branching: int) -> torch.Tensor:
@@ -232,17 +257,19 @@ def build_lattice_trees(
 
     lattice_logprobs: [B, D, K, K] finite log-probs; token_ids: [B, D, K]. Every row holds
     N = min(budget, Σ_{d=1..D} m^d) nodes, m = min(branching, K), best-first, so the trees stack; with
-    branching 1 each row is `lattice_chain`'s path, cut to the budget. ValueError on bad input.
+    branching 1 each row is `lattice_chain`'s path, cut to the budget. ValueError on bad input. The capped
+    lattice and its candidates reach the host in one copy (`fast_tree.host_draft`).
     """
-    if lattice_logprobs.dim() != 4:
-        raise ValueError(f"lattice_logprobs must be [B, D, K, K], got shape {tuple(lattice_logprobs.shape)}")
+    validate_lattice_layout(lattice_logprobs, token_ids, batched=True)
     width = int(lattice_logprobs.shape[-1])
     children = width if branching is None else min(branching, width)
     capped = cap_children(lattice_logprobs, children)
     validate_budget(budget)
     nodes = lattice_size(int(lattice_logprobs.shape[1]), children, budget)
-    if token_ids.dim() != 3:
-        raise ValueError(f"token_ids must be [B, D, K], got shape {tuple(token_ids.shape)}")
-    capped_host, ids_host = capped.cpu(), token_ids.cpu()  # one copy each for the host search
-    rows = [build_lattice_tree(capped_host[b], ids_host[b], nodes) for b in range(int(capped.shape[0]))]
+    values, ids = host_draft(capped, token_ids)  # [B, D, K, K] float64 and [B, D, K] int64, one host copy
+    host = torch.device("cpu")
+    rows = []
+    for b in range(values.shape[0]):
+        check_lattice_values(values[b])
+        rows.append(_lattice_tree(values[b], ids[b], nodes, host))
     return DraftTreeBatch.stack_on(rows, lattice_logprobs.device)
