@@ -22,7 +22,8 @@ HAND = TreeBatch(
 
 
 def ancestors_of(trees: TreeBatch) -> torch.Tensor:
-    return kernels.build_verify_layout(trees, torch.zeros(trees.batch_size, dtype=torch.int64)).ancestor_mask
+    prefix = torch.zeros(trees.batch_size, dtype=torch.int64, device=trees.tokens.device)
+    return kernels.build_verify_layout(trees, prefix).ancestor_mask
 
 
 def chained(trees: TreeBatch, target_tokens: torch.Tensor) -> AcceptedPaths:
