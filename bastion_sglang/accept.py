@@ -8,7 +8,8 @@ as SGLang's sampler filters them, `sglang_adapter.target_sampling_probs`) with u
 request's seed and the sequence position (`kernels.position_uniforms`: seeded output is batch-invariant), and
 `kernels.accept_paths` takes the longest path of draft nodes matching those tokens (the accept walk), its
 compaction order and the step's output rows. A step of width 1 (the roots alone) emits the target's token
-after each root: the argmax, or a sample with the same uniforms."""
+after each root: the argmax, or a sample with the same uniforms.
+"""
 
 from __future__ import annotations
 
