@@ -7,12 +7,15 @@ drafted (h: the draft horizon, `controller.horizon`).
 - DFlash: the target's LM head turns their hidden states into logits [B, h, V] (under TP the head is sharded
   by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them;
   `kernels.topk_logprobs` keeps K candidates per position (`DraftTopK`).
-- DFlash2: SGLang's own selector path (`sglang_adapter.selector_lattice`: `compute_candidates`, then
+- DFlash2: the target's LM head turns the hidden states into logits [B, h, V] once; SGLang's own selector
+  path on them (`sglang_adapter.lattice_of_head_logits`: `compute_candidates` after its matmul, SGLang's
+  top-K of the raw logits and the drafter's transform of their values, then
   `CandidateSelector.build_lattice` anchored at the roots) gives the K candidates of each position and the
   scores between adjacent positions' candidates; the transitions are their temperature-1 log-probs
   (`controller.lattice_tree.selector_logprobs`) and the unary log-probs the log-softmax over the vocabulary
-  of the transformed head logits, read at the candidates, as the reference engine's `DFlash2Proposer`
-  computes them (`DraftLattice`).
+  of the same logits transformed, read at the candidates, as the reference engine's `DFlash2Proposer`
+  computes them (`DraftLattice`). SGLang's `compute_candidates` would apply the head a second time; on one
+  rank its matmul is the draft head's, so the candidates and scores are the ones it gives.
 Nothing is read back to the host here.
 """
 
@@ -127,10 +130,12 @@ class DrafterForward:
 
     def _lattice(self, hidden: torch.Tensor, roots: torch.Tensor) -> DraftLattice:
         """The DFlash2 lattice (module docstring) of hidden [B, h, H] after roots [B] int64: candidates and
-        unary log-probs [B, h, K], transitions [B, h, K, K] float32."""
+        unary log-probs [B, h, K], transitions [B, h, K, K] float32. The LM head runs once."""
         draft_model = self._worker.draft_model
-        candidate_ids, scores = sgl.selector_lattice(draft_model, hidden, roots)
-        unary = torch.log_softmax(sgl.transform_unary_logits(draft_model, self._draft_head(hidden)), dim=-1)
+        logits = self._draft_head(hidden)  # [B, h, V] raw, the step's one head matmul
+        candidate_ids, scores = sgl.lattice_of_head_logits(draft_model, logits, hidden, roots)
+        # transformed in place (a float32 head's logits) only after the candidates were taken from them
+        unary = torch.log_softmax(sgl.transform_unary_logits(draft_model, logits), dim=-1)
         return DraftLattice(
             unary=DraftTopK(unary.gather(-1, candidate_ids), candidate_ids),
             transitions=selector_logprobs(scores, 1.0),

@@ -120,6 +120,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
         "lm_head",
     ),
     *_members(_DFLASH_MODELS, "CandidateSelector", "build_lattice", "top_k"),
+    _call(_DFLASH_MODELS, "_radix_topk", None, "scores", "k"),
     *_internals("sglang.srt.lora.layers", "unwrap_lora_layer"),
     *_members(
         _DFLASH,
@@ -810,6 +811,7 @@ from sglang.srt.model_executor.forward_batch_info import (
     get_server_return_hidden_states_mode,
 )
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.models.dflash import _radix_topk
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.runtime_context import (
     get_context,
@@ -1002,6 +1004,29 @@ def selector_lattice(
     Returns candidate ids [B, D, K] int64 and scores [B, D, K, K] float32.
     """
     return _selector_lattice(draft_model=draft_model, pred_hidden=hidden, anchor_token_ids=anchors)
+
+
+def lattice_of_head_logits(
+    draft_model: torch.nn.Module, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selector_lattice` on head logits the caller computed (the LM head applied once per step): SGLang's
+    `compute_candidates` on one rank after its matmul (`_radix_topk` of the raw logits, their K values
+    transformed by `_transform_unary_logits`), then `CandidateSelector.build_lattice` with slot 0 anchored at
+    `anchors`, as `_selector_lattice` calls it.
+
+    logits: [B, D, V] raw head logits of `hidden` over the base vocabulary, contiguous (the matmul SGLang's
+    `_project_candidate_logits` makes on one rank); hidden: [B, D, H]; anchors: [B] int64 (the roots).
+    Returns candidate ids [B, D, K] int64 and scores [B, D, K, K] float32. `logits` is not modified.
+    """
+    bs, slots, vocab = logits.shape
+    values, ids = _radix_topk(logits.reshape(-1, vocab), draft_model.candidate_selector.top_k)
+    candidate_ids = ids.long().view(bs, slots, -1)
+    return candidate_ids, draft_model.candidate_selector.build_lattice(
+        candidate_ids=candidate_ids,
+        unary_logits=draft_model._transform_unary_logits(values).view(bs, slots, -1),
+        hidden_states=hidden,
+        anchor_token_ids=anchors,
+    )
 
 
 def transform_unary_logits(draft_model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
