@@ -192,6 +192,7 @@ FLOORS: tuple[Floor, ...] = (
                 "request_support",
                 "request_outputs",
                 "request_penalties",
+                "prefill_redraw",
                 "rank_sync",
                 "drafter_forward",
                 "accept",
