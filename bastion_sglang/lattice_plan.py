@@ -11,7 +11,8 @@ With an acceptance calibration the trees are built on the calibrated transitions
 (`AcceptanceCalibration.apply` on [B, D, K, K]: every parent row of a depth by that depth's map, rows kept
 sorted, so the trees stay exact for the calibrated path scores), as `StepController.plan` builds top-K trees
 on calibrated log-probs; the plan's raw Â metric sums the raw transitions along each node's path
-(`StepController._raw_expected_accept`). The map is the one fitted on lattice records
+(`lattice_node_log_scores` on the host copy of the draft that the trees were built from, kept as the trees'
+`raw_log_scores`; `StepController._raw_expected_accept`). The map is the one fitted on lattice records
 (`controller.lattice_acceptance`).
 """
 
@@ -39,9 +40,12 @@ def plan_lattice(
 ) -> StepPlan:
     """`StepController.plan` on the best-first lattice trees of `lattice`, on its calibrated transitions
     where the controller has a calibration (module docstring)."""
-    acceptance = controller.acceptance
-    transitions = lattice.transitions if acceptance is None else acceptance.apply(lattice.transitions)
-    trees = build_lattice_trees(transitions, lattice.unary.token_ids, controller.budget, branching)
+    acceptance, ids, budget = controller.acceptance, lattice.unary.token_ids, controller.budget
+    if acceptance is None:
+        trees = build_lattice_trees(lattice.transitions, ids, budget, branching)
+    else:  # the raw transitions scored beside the calibrated trees, for the raw Â metric
+        calibrated = acceptance.apply(lattice.transitions)
+        trees = build_lattice_trees(calibrated, ids, budget, branching, raw=lattice.transitions)
     scales = controller.acceptance_tracker.corrections(step.greedy)
     plan = plan_batch(
         trees,

@@ -32,7 +32,6 @@ from bastion_sglang.controller.acceptance import (
     AcceptanceCalibration,
     AcceptanceTracker,
     best_accept_curve,
-    node_log_scores,
 )
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
 from bastion_sglang.controller.gate import (
@@ -45,7 +44,6 @@ from bastion_sglang.controller.gate import (
 )
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
-from bastion_sglang.controller.lattice_acceptance import lattice_node_log_scores
 from bastion_sglang.controller.policies import BatchPlan, BudgetPolicy, plain_plan, plan_batch
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.step_costs import StepCostTracker
@@ -307,8 +305,11 @@ class StepController:
     def plan(self, step: StepStart, top: DraftTopK) -> StepPlan:
         """The calibrated best-first trees of `top` ([B, h, K] log-probs and ids) and the batch plan; the
         gate and the evidence record the plan's speculative speedup and accept curve."""
-        calibrated = top.logprobs if self.acceptance is None else self.acceptance.apply(top.logprobs)
-        trees = build_trees_auto_unchecked(calibrated, top.token_ids, self.budget)
+        if self.acceptance is None:
+            trees = build_trees_auto_unchecked(top.logprobs, top.token_ids, self.budget)
+        else:  # the raw log-probs scored beside the calibrated trees, for the raw Â metric
+            calibrated = self.acceptance.apply(top.logprobs)
+            trees = build_trees_auto_unchecked(calibrated, top.token_ids, self.budget, raw=top.logprobs)
         scales = self.acceptance_tracker.corrections(step.greedy)
         plan = plan_batch(
             trees,
@@ -363,16 +364,12 @@ class StepController:
 
     def _raw_expected_accept(self, planned: StepPlan, counts: Sequence[int]) -> list[float]:
         """Raw Â per request of the planned trees: 1 + Σ of the drafter's uncalibrated path probabilities
-        (a lattice's: its raw transitions along each node's path)."""
-        trees, top, lattice = planned.trees, planned.top, planned.lattice
-        if self.acceptance is None:
-            scores = trees.on_host().log_scores  # no device read for host-built trees
-        elif lattice is not None:
-            transitions, ids = lattice.transitions, lattice.unary.token_ids
-            scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, ids)
-        else:
-            scores = node_log_scores(trees.tokens, trees.parents, trees.depths, top.logprobs, top.token_ids)
-        gains = torch.exp(scores).cumsum(1).cpu()  # host copy for the metric (a read on calibrated trees)
+        (a lattice's: its raw transitions along each node's path), read on the trees' host copy: their own
+        scores without a calibration, else the raw scores the plan kept beside them
+        (`DraftTreeBatch.raw_log_scores`). No device read beyond the plan's one copy of the trees."""
+        host = planned.trees.on_host()
+        scores = host.log_scores if host.raw_log_scores is None else host.raw_log_scores
+        gains = torch.exp(scores).cumsum(1)  # [B, N] on the host
         return [1.0 + (float(gains[i, n - 1]) if n > 0 else 0.0) for i, n in enumerate(counts)]
 
     def end(self, record: StepRecord) -> None:

@@ -25,12 +25,13 @@ Ordering within a depth uses a lexicographic rank: the rank tuple (p, r) compare
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
 
 import torch
 
-from bastion_sglang.controller.fast_tree import best_first_nodes, host_draft
+from bastion_sglang.controller.acceptance import node_log_scores
+from bastion_sglang.controller.fast_tree import best_first_nodes, host_drafts
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget, validate_draft
 
 
@@ -42,37 +43,66 @@ class DraftTreeBatch:
     parents: torch.Tensor  # [B, N] int64: parent index within the row, or ROOT (-1)
     depths: torch.Tensor  # [B, N] int64: 1..D
     log_scores: torch.Tensor  # [B, N] float64: non-increasing along each row
+    # [B, N] float64: each node's log ρ under the drafter's raw (uncalibrated) draft, for trees built on
+    # calibrated values (`acceptance.node_log_scores`; the raw Â metric reads it); None: not scored
+    raw_log_scores: torch.Tensor | None = None
     # the same trees on the host when a host builder made them (None: on the host already, or not kept)
     host_copy: DraftTreeBatch | None = field(default=None, repr=False, compare=False)
 
     def on_host(self) -> DraftTreeBatch:
         """These trees on the host: themselves when they are there, the copy their host builder kept (no
-        device read), else a copy (one device-to-host read per field)."""
+        device read), else their one packed copy (`_read_to_host`), made on the first call and kept."""
         if self.tokens.device.type == "cpu":
             return self
         if self.host_copy is not None:
             return self.host_copy
-        return DraftTreeBatch(self.tokens.cpu(), self.parents.cpu(), self.depths.cpu(), self.log_scores.cpu())
+        return self._read_to_host
+
+    @cached_property
+    def _read_to_host(self) -> DraftTreeBatch:
+        """These device trees on the host, read by ONE device-to-host copy: the fields side by side in one
+        [F, B, N] int64 tensor on their device (the float64 scores bit-cast), copied once and split there,
+        bit for bit. A batch without nodes is made on the host without a read."""
+        if self.num_nodes == 0:
+            empty = DraftTreeBatch.empty(self.batch_size, "cpu")
+            raw = None if self.raw_log_scores is None else empty.log_scores
+            return replace(empty, raw_log_scores=raw)
+        scores = [self.log_scores] if self.raw_log_scores is None else [self.log_scores, self.raw_log_scores]
+        packed = torch.stack(
+            [
+                *(t.to(torch.int64) for t in (self.tokens, self.parents, self.depths)),
+                *(s.to(torch.float64).view(torch.int64) for s in scores),
+            ]
+        )
+        host = packed.cpu()  # the one copy: a host sync on a device
+        tokens, parents, depths, *scores_host = host.unbind(0)
+        floats = [s.view(torch.float64) for s in scores_host]
+        return DraftTreeBatch(tokens, parents, depths, floats[0], floats[1] if len(floats) > 1 else None)
 
     @classmethod
     def stack_on(cls, rows: list[DraftTree], device: torch.device) -> DraftTreeBatch:
         """Host-built trees of equal node count, stacked and moved to `device` (the host copy kept)."""
+        return cls.stack(rows).to_device(device)
+
+    @classmethod
+    def stack(cls, rows: list[DraftTree]) -> DraftTreeBatch:
+        """Host-built trees of equal node count, stacked on the host (no row: a batch of none)."""
         if not rows:
-            return cls.empty(0, device)
-        on_host = cls(
+            return cls.empty(0, "cpu")
+        return cls(
             tokens=torch.stack([r.tokens for r in rows]),
             parents=torch.stack([r.parents for r in rows]),
             depths=torch.stack([r.depths for r in rows]),
             log_scores=torch.stack([r.log_scores for r in rows]),
         )
-        return on_host.to_device(device)
 
     def to_device(self, device: torch.device) -> DraftTreeBatch:
         """These host trees on `device`, keeping themselves as the host copy (themselves on the host)."""
         if device.type == "cpu":
             return self
         fields = (self.tokens, self.parents, self.depths, self.log_scores)
-        return DraftTreeBatch(*(t.to(device) for t in fields), host_copy=self)
+        raw = None if self.raw_log_scores is None else self.raw_log_scores.to(device)
+        return DraftTreeBatch(*(t.to(device) for t in fields), raw_log_scores=raw, host_copy=self)
 
     def deepest(self, nodes: int) -> int:
         """The greatest depth among each row's first `nodes` nodes (0 for none), read on the host."""
@@ -164,8 +194,28 @@ def build_trees(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) ->
     return build_trees_unchecked(logprobs, token_ids, budget)
 
 
-def build_trees_unchecked(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
-    """`build_trees` without input validation, for callers that produced the arrays themselves."""
+def build_trees_unchecked(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, raw: torch.Tensor | None = None
+) -> DraftTreeBatch:
+    """`build_trees` without input validation, for callers that produced the arrays themselves. raw: [B, D,
+    K] other log-probs of the same candidates (the raw ones of a calibrated draft), each node's path score
+    under them kept as `raw_log_scores` (None: not scored)."""
+    return with_raw_scores(_beam(logprobs, token_ids, budget), raw, token_ids)
+
+
+def with_raw_scores(
+    trees: DraftTreeBatch, raw: torch.Tensor | None, token_ids: torch.Tensor
+) -> DraftTreeBatch:
+    """`trees` with `raw_log_scores` = `acceptance.node_log_scores` under raw [B, D, K] (on the trees'
+    device, with token_ids [B, D, K]); the trees themselves when raw is None."""
+    if raw is None:
+        return trees
+    scores = node_log_scores(trees.tokens, trees.parents, trees.depths, raw, token_ids)
+    return replace(trees, raw_log_scores=scores)
+
+
+def _beam(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeBatch:
+    """The per-depth beam of `build_trees` (module docstring), unchecked, on the device of `logprobs`."""
     batch, depth_count, width = logprobs.shape
     device = logprobs.device
     lp = logprobs.to(torch.float64)
@@ -253,14 +303,19 @@ def build_trees_host(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: in
 
 
 def build_trees_host_unchecked(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, raw: torch.Tensor | None = None
 ) -> DraftTreeBatch:
     """`build_trees_host` without input validation, for callers that produced the arrays themselves. The
-    draft reaches the host in one copy (`fast_tree.host_draft`: log-probs and ids packed on their device)."""
-    lattices, ids = host_draft(logprobs, token_ids)  # [B, D, K] float64 and int64, one host copy
+    draft reaches the host in one copy (`fast_tree.host_drafts`: log-probs and ids packed on their device,
+    with raw beside them when given). raw: as for `build_trees_unchecked`, scored on the host copy."""
+    values = (logprobs,) if raw is None else (logprobs, raw)
+    (lattices, *raw_host), ids = host_drafts(values, token_ids)  # [B, D, K] float64 and int64, one copy
     host = torch.device("cpu")
     rows = [best_first_nodes(lattices[b], budget).to_tree(ids[b], host) for b in range(ids.shape[0])]
-    return DraftTreeBatch.stack_on(rows, logprobs.device)
+    trees = DraftTreeBatch.stack(rows)
+    if raw_host:
+        trees = with_raw_scores(trees, torch.from_numpy(raw_host[0]), torch.from_numpy(ids))
+    return trees.to_device(logprobs.device)
 
 
 HOST_BUILDER_ROW_COST = 300
@@ -297,9 +352,11 @@ def build_trees_auto(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: in
 
 
 def build_trees_auto_unchecked(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int
+    logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, raw: torch.Tensor | None = None
 ) -> DraftTreeBatch:
-    """`build_trees_auto` without input validation, for callers that produced the arrays themselves."""
+    """`build_trees_auto` without input validation, for callers that produced the arrays themselves. raw:
+    as for `build_trees_unchecked` (scored on the host copy of the draft by the host builder, on the device
+    by the beam; the trees' one host copy carries the scores either way)."""
     if builds_on_host(logprobs.shape[0], budget, logprobs.device):
-        return build_trees_host_unchecked(logprobs, token_ids, budget)
-    return build_trees_unchecked(logprobs, token_ids, budget)
+        return build_trees_host_unchecked(logprobs, token_ids, budget, raw)
+    return build_trees_unchecked(logprobs, token_ids, budget, raw)

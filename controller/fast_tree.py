@@ -60,6 +60,7 @@ the rank-0 node, whose score is its logprob), so ties are the same ties.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,17 +165,40 @@ def host_draft(values: torch.Tensor, token_ids: torch.Tensor) -> tuple[np.ndarra
     Returns (float64 values of shape [*L, *R], int64 ids of shape [*L, k]): the inputs' values bit for bit,
     as numpy views of the one copy. ValueError when the leading shapes differ.
     """
+    (copy,), ids = host_drafts((values,), token_ids)
+    return copy, ids
+
+
+def host_drafts(
+    values: Sequence[torch.Tensor], token_ids: torch.Tensor
+) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """`host_draft` of several value tensors beside one set of ids, all in the same ONE copy (e.g. the
+    calibrated log-probs a tree is built on and the raw ones its metric reads): each values[i] is
+    [*L, *R_i] floating, packed side by side (widened to float64, bit-cast) before the ids. Returns (the
+    float64 values, one per input, each of its input's shape, bit for bit; the [*L, k] int64 ids).
+    ValueError when a leading shape differs from the ids'.
+    """
     lead = tuple(token_ids.shape[:-1])
-    if tuple(values.shape[: len(lead)]) != lead:
-        raise ValueError(
-            f"values of shape {tuple(values.shape)} do not lead with token_ids' {lead} (token_ids "
-            f"{tuple(token_ids.shape)})"
-        )
-    width = math.prod(values.shape[len(lead) :])
-    flat = values.detach().to(torch.float64).reshape(*lead, width)
-    packed = torch.cat((flat.view(torch.int64), token_ids.detach().to(torch.int64)), dim=-1)
+    widths = []
+    for value in values:
+        if tuple(value.shape[: len(lead)]) != lead:
+            raise ValueError(
+                f"values of shape {tuple(value.shape)} do not lead with token_ids' {lead} (token_ids "
+                f"{tuple(token_ids.shape)})"
+            )
+        widths.append(math.prod(value.shape[len(lead) :]))
+    flats = [
+        v.detach().to(torch.float64).reshape(*lead, w).view(torch.int64)
+        for v, w in zip(values, widths, strict=True)
+    ]
+    packed = torch.cat((*flats, token_ids.detach().to(torch.int64)), dim=-1)
     host = packed.cpu().numpy()  # the one copy: a host sync where the draft lives on a device
-    return host[..., :width].view(np.float64).reshape(values.shape), host[..., width:]
+    starts = np.cumsum([0, *widths]).tolist()
+    copies = tuple(
+        host[..., start : start + width].view(np.float64).reshape(value.shape)
+        for value, start, width in zip(values, starts[:-1], widths, strict=True)
+    )
+    return copies, host[..., starts[-1] :]
 
 
 def host_values(logprobs: torch.Tensor) -> np.ndarray:

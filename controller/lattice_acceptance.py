@@ -5,8 +5,9 @@ are `acceptance`'s with the top-K row of depth d replaced by the parent's transi
 of `acceptance`, "Lattices"), so `fit_acceptance`, `conditional_events` and `evaluate_acceptance` take it as
 they take an `AcceptanceRecord`, and the fitted map is the same `AcceptanceCalibration`.
 
-`lattice_node_log_scores` gives the path scores of lattice trees under other transitions (the raw ones of
-trees built on calibrated transitions), as `acceptance.node_log_scores` does for top-K trees.
+`lattice_node_log_scores` (defined beside the lattice trees, `lattice_tree`) gives the path scores of lattice
+trees under other transitions (the raw ones of trees built on calibrated transitions), as
+`acceptance.node_log_scores` does for top-K trees.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.fast_tree import host_draft
-from bastion_sglang.controller.lattice_tree import build_lattice_tree
+from bastion_sglang.controller.lattice_tree import build_lattice_tree, lattice_node_log_scores
 from bastion_sglang.controller.tree import DraftTree
+
+__all__ = ["LatticeRecord", "lattice_node_log_scores"]
 
 
 @dataclass(frozen=True)
@@ -68,35 +71,3 @@ class LatticeRecord:
             self.transitions if calibration is None else calibration.apply(self.transitions[None])[0]
         )
         return build_lattice_tree(transitions, self.token_ids, budget)
-
-
-def lattice_node_log_scores(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    depths: torch.Tensor,
-    transitions: torch.Tensor,
-    token_ids: torch.Tensor,
-) -> torch.Tensor:
-    """Path scores of a batch of lattice trees under other transitions (e.g. the raw ones of trees built on
-    calibrated values): Σ over each node's path of transitions[depth - 1, parent's candidate, candidate].
-
-    tokens, parents, depths: [B, N] int64 (a `DraftTreeBatch` of `build_lattice_trees`, parents before
-    children); transitions: [B, D, K, K]; token_ids: [B, D, K], distinct per slot, containing every node's
-    token at its depth. A node's candidate is its token's index in its slot; depth 1 reads row 0.
-    Returns [B, N] float64. No host sync.
-    """
-    batch, nodes = tokens.shape
-    if nodes == 0:
-        return torch.zeros((batch, 0), dtype=torch.float64, device=tokens.device)
-    width = int(token_ids.shape[-1])
-    slot = (depths - 1).clamp(min=0)  # [B, N]
-    match = token_ids.gather(1, slot[:, :, None].expand(batch, nodes, width)) == tokens[:, :, None]
-    candidate = match.to(torch.int64).argmax(-1)  # [B, N], the one True per node
-    parent_candidate = torch.where(parents >= 0, candidate.gather(1, parents.clamp(min=0)), 0)
-    flat = transitions.to(torch.float64).reshape(batch, -1)  # [B, D·K·K]
-    own = flat.gather(1, (slot * width + parent_candidate) * width + candidate)  # [B, N]
-    scores = own.clone()
-    parent_index = parents.clamp(min=0)
-    for depth in range(2, int(transitions.shape[1]) + 1):
-        scores = torch.where(depths == depth, own + scores.gather(1, parent_index), scores)
-    return scores

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from bastion_sglang.controller.batched import DraftTreeBatch, lattice_size
-from bastion_sglang.controller.fast_tree import host_draft
+from bastion_sglang.controller.fast_tree import host_draft, host_drafts
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
 
 
@@ -57,16 +58,34 @@ def selector_logprobs(scores: torch.Tensor, temperature: float | torch.Tensor = 
         raise ValueError(f"scores must be [..., D, K, K], got shape {tuple(scores.shape)}")
     if not scores.is_floating_point():
         raise ValueError(f"scores must be a floating tensor, got {scores.dtype}")
-    temps = torch.as_tensor(temperature, dtype=torch.float32, device=scores.device)
+    if not isinstance(temperature, torch.Tensor):
+        return _at_temperature(scores, temperature)
+    temps = temperature.to(torch.float32)
     if temps.dim() > 0 and temps.shape != scores.shape[:-3]:
         raise ValueError(
             f"temperature shape {tuple(temps.shape)} differs from the leading dims of scores "
             f"{tuple(scores.shape[:-3])}"
         )
+    # checked where the temperatures live: a host read, or a device sync for temperatures on a device
     if not bool((temps >= 0).all()):
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    temps = temps.to(scores.device)
     temps = torch.where(temps > 0, temps, torch.ones_like(temps))
     return torch.log_softmax(scores.float() / temps[..., None, None, None], dim=-1)
+
+
+def _at_temperature(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`selector_logprobs` at one host temperature, checked on the host (no device read). Temperature 0 and
+    every temperature whose float32 is 1 divide by 1.0, which leaves every float32 as it is (IEEE division
+    by 1 is exact), so the division is skipped; any other one divides by a float32 tensor on the scores'
+    device, as the per-request path does, so the result is the same bit for bit."""
+    if not temperature >= 0:  # NaN fails too
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    logits = scores.float()
+    if temperature == 0 or (0.5 < temperature < 2 and np.float32(temperature) == 1):
+        return torch.log_softmax(logits, dim=-1)
+    temps = torch.tensor(temperature, dtype=torch.float32, device=scores.device)
+    return torch.log_softmax(logits / temps[..., None, None, None], dim=-1)
 
 
 def validate_lattice(
@@ -251,14 +270,21 @@ def cap_children(lattice_logprobs: torch.Tensor, branching: int) -> torch.Tensor
 
 
 def build_lattice_trees(
-    lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, branching: int | None = None
+    lattice_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    budget: int,
+    branching: int | None = None,
+    raw: torch.Tensor | None = None,
 ) -> DraftTreeBatch:
     """`build_lattice_tree` of every request, stacked: each node has at most `branching` children (None: K).
 
     lattice_logprobs: [B, D, K, K] finite log-probs; token_ids: [B, D, K]. Every row holds
     N = min(budget, Σ_{d=1..D} m^d) nodes, m = min(branching, K), best-first, so the trees stack; with
     branching 1 each row is `lattice_chain`'s path, cut to the budget. ValueError on bad input. The capped
-    lattice and its candidates reach the host in one copy (`fast_tree.host_draft`).
+    lattice and its candidates reach the host in one copy (`fast_tree.host_drafts`). raw: [B, D, K, K] other
+    transitions of the same candidates (the raw ones of a calibrated lattice), packed in the same copy; each
+    node's path score under them (`lattice_node_log_scores`, on the host) is kept as `raw_log_scores`
+    (None: not scored).
     """
     validate_lattice_layout(lattice_logprobs, token_ids, batched=True)
     width = int(lattice_logprobs.shape[-1])
@@ -266,10 +292,48 @@ def build_lattice_trees(
     capped = cap_children(lattice_logprobs, children)
     validate_budget(budget)
     nodes = lattice_size(int(lattice_logprobs.shape[1]), children, budget)
-    values, ids = host_draft(capped, token_ids)  # [B, D, K, K] float64 and [B, D, K] int64, one host copy
+    packed = (capped,) if raw is None else (capped, raw)
+    (values, *raw_host), ids = host_drafts(packed, token_ids)  # [B, D, K, K] float64, [B, D, K] int64
     host = torch.device("cpu")
     rows = []
     for b in range(values.shape[0]):
         check_lattice_values(values[b])
         rows.append(_lattice_tree(values[b], ids[b], nodes, host))
-    return DraftTreeBatch.stack_on(rows, lattice_logprobs.device)
+    trees = DraftTreeBatch.stack(rows)
+    if raw_host:
+        transitions, candidates = torch.from_numpy(raw_host[0]), torch.from_numpy(ids)
+        scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, candidates)
+        trees = replace(trees, raw_log_scores=scores)
+    return trees.to_device(lattice_logprobs.device)
+
+
+def lattice_node_log_scores(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    transitions: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Path scores of a batch of lattice trees under other transitions (e.g. the raw ones of trees built on
+    calibrated values): Σ over each node's path of transitions[depth - 1, parent's candidate, candidate].
+
+    tokens, parents, depths: [B, N] int64 (a `DraftTreeBatch` of `build_lattice_trees`, parents before
+    children); transitions: [B, D, K, K]; token_ids: [B, D, K], distinct per slot, containing every node's
+    token at its depth. A node's candidate is its token's index in its slot; depth 1 reads row 0.
+    Returns [B, N] float64. No host sync.
+    """
+    batch, nodes = tokens.shape
+    if nodes == 0:
+        return torch.zeros((batch, 0), dtype=torch.float64, device=tokens.device)
+    width = int(token_ids.shape[-1])
+    slot = (depths - 1).clamp(min=0)  # [B, N]
+    match = token_ids.gather(1, slot[:, :, None].expand(batch, nodes, width)) == tokens[:, :, None]
+    candidate = match.to(torch.int64).argmax(-1)  # [B, N], the one True per node
+    parent_candidate = torch.where(parents >= 0, candidate.gather(1, parents.clamp(min=0)), 0)
+    flat = transitions.to(torch.float64).reshape(batch, -1)  # [B, D·K·K]
+    own = flat.gather(1, (slot * width + parent_candidate) * width + candidate)  # [B, N]
+    scores = own.clone()
+    parent_index = parents.clamp(min=0)
+    for depth in range(2, int(transitions.shape[1]) + 1):
+        scores = torch.where(depths == depth, own + scores.gather(1, parent_index), scores)
+    return scores

@@ -336,7 +336,8 @@ def plan_batch(
     plans (every n for adaptive) with one latency prediction; the reported estimates are those of the chosen
     plan (at a common n: the values the policy compared).
     trees: [B, N] best-first trees; ctx_lens: cached tokens per request. Reads the scores on the host
-    (`DraftTreeBatch.on_host`: no device read for trees a host builder made).
+    (`DraftTreeBatch.on_host`: no device read for trees a host builder made, one packed copy, kept for the
+    step's later reads, for the beam's).
     """
     objective = BatchObjective.from_log_scores(
         trees.on_host().log_scores, ctx_lens, latency, costs, accept_scale
