@@ -44,6 +44,7 @@ class TreeAccept:
     order: torch.Tensor  # [B, W] int64: each row's permutation with the accepted path first
     out_tokens: torch.Tensor  # [B, W] int64: accepted draft tokens, the bonus, then zeros
     commit_lens: torch.Tensor  # [B] int32: tokens emitted (accepted + 1)
+    commit_counts: torch.Tensor  # [B] int64: commit_lens as int64, for the committed lengths
     bonus_tokens: torch.Tensor  # [B] int64: the next roots
     # [B, W, V] float32 weights of the processed distribution after each row (None: every request greedy)
     target_probs: torch.Tensor | None
@@ -51,11 +52,13 @@ class TreeAccept:
 
 @dataclass(frozen=True)
 class RootTargets:
-    """What a width-1 step commits: the target's token after each root."""
+    """What a width-1 step commits: the target's token after each root, one token per request."""
 
     tokens: torch.Tensor  # [B] int64
     # [B, 1, V] float32 weights of the processed distribution each token was drawn from (None: all greedy)
     target_probs: torch.Tensor | None
+    # [B] int32 ones, the tokens emitted; a view of a buffer nothing writes (`Acceptor.one_each`)
+    commit_lens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,16 @@ class Acceptor:
         self._sampling_backend = sampling_backend
         self._penalty_order = sglang_penalty_order()
         self.recent_outputs = RecentOutputs()
+        self._ones = torch.ones((0,), dtype=torch.int32)  # grown by one_each, never written
+
+    def one_each(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """[batch_size] int32 ones on `device`: the commit lengths of a width-1 step, as a view of a buffer
+        that is only ever read (no op per step; the buffer is replaced, doubled, when a batch outgrows it)."""
+        if self._ones.numel() < batch_size or self._ones.device != device:
+            self._ones = torch.ones(
+                (max(batch_size, 2 * self._ones.numel()),), dtype=torch.int32, device=device
+            )
+        return self._ones[:batch_size]
 
     def process_logits(
         self, batch: ScheduleBatch, logits: torch.Tensor, rows: RowLogits, contexts: list[int]
@@ -135,14 +148,13 @@ class Acceptor:
         contexts: list[int],
         seeds: torch.Tensor,
         seq_lens: torch.Tensor,
-        commit_lens: torch.Tensor,
     ) -> RootTargets:
         """The target's token after each root of a width-1 step, recorded as the step's output. logits:
         [B, V] the roots' logits (processed here, in place); seeds: [B]; seq_lens: [B] L_b + 1, the position
-        of each target token; commit_lens: [B] int32 ones (one token each)."""
+        of each target token. A greedy batch with no logit processing issues one op (the argmax)."""
         self.process_logits(batch, logits, rows, contexts)
         targets = self.draw(batch, logits, seeds, seq_lens)
-        self.recent_outputs.record(batch.reqs, targets.tokens[:, None], commit_lens)
+        self.recent_outputs.record(batch.reqs, targets.tokens[:, None], targets.commit_lens)
         return targets
 
     def draw(
@@ -150,10 +162,11 @@ class Acceptor:
     ) -> RootTargets:
         """The target's token of each request from its processed logits [B, V] (read only): the argmax, or
         the sample at its position's uniform. seeds: [B] int64; seq_lens: [B] the position of each token."""
+        ones = self.one_each(logits.shape[0], logits.device)
         probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, seq_lens[:, None])
         if probs is None:
-            return RootTargets(torch.argmax(logits, dim=-1), None)
-        return RootTargets(kernels.sample_tokens(probs[:, 0], uniforms[:, 0]), probs)
+            return RootTargets(torch.argmax(logits, dim=-1), None, ones)
+        return RootTargets(kernels.sample_tokens(probs[:, 0], uniforms[:, 0]), probs, ones)
 
     def walk(
         self,
@@ -184,4 +197,6 @@ class Acceptor:
             target_tokens = samples.view(bs, width)
         paths = kernels.accept_paths(rows, ancestors, target_tokens)
         self.recent_outputs.record(batch.reqs, paths.out_tokens, paths.commit_lens)
-        return TreeAccept(paths.order, paths.out_tokens, paths.commit_lens, paths.bonus_tokens, probs)
+        return TreeAccept(
+            paths.order, paths.out_tokens, paths.commit_lens, paths.commit_counts, paths.bonus_tokens, probs
+        )

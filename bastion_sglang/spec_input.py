@@ -102,17 +102,17 @@ class BastionDraftInput(SpecInput):
         cur_lens, nxt_lens, needed = page_aligned_decode_alloc_lens(
             batch.reqs, reserve=self.reserve, page_size=page_size
         )
-        cur_cpu = torch.tensor(cur_lens, dtype=torch.int32)
-        nxt_cpu = torch.tensor(nxt_lens, dtype=torch.int32)
+        lens_cpu = torch.tensor([cur_lens, nxt_lens], dtype=torch.int32)  # [2, B]: current, then next
+        lens = lens_cpu.to(batch.device, non_blocking=True)  # one host-to-device copy for both
         alloc_for_spec_decode(
             batch.tree_cache,
             batch.req_to_token_pool,
             reqs=batch.reqs,
             req_pool_indices=batch.req_pool_indices,
-            cur_kv_lens=cur_cpu.to(batch.device, non_blocking=True),
-            cur_kv_lens_cpu=cur_cpu,
-            nxt_kv_lens=nxt_cpu.to(batch.device, non_blocking=True),
-            nxt_kv_lens_cpu=nxt_cpu,
+            cur_kv_lens=lens[0],
+            cur_kv_lens_cpu=lens_cpu[0],
+            nxt_kv_lens=lens[1],
+            nxt_kv_lens_cpu=lens_cpu[1],
             num_needed_tokens=needed,
             batch=batch,
         )

@@ -308,16 +308,17 @@ class BastionWorker(DFlashWorkerV2):
             logits = real_rows(logits_output.next_token_logits, bs, 1)[:, : self._acceptor.vocab_size]
             logits = logits.contiguous()  # [B, V]: the in-place adjustments land in the tensor sampled
             row_logits = RowLogits(inputs.roots[:, None], None, grammar_tree, inputs.grammar_barrier)
-            commit_lens = torch.ones_like(inputs.roots, dtype=torch.int32)  # [B] one token each
             root_targets = self._acceptor.root_targets(
-                batch, logits, row_logits, step.contexts, inputs.seeds, new_seq_lens, commit_lens
+                batch, logits, row_logits, step.contexts, inputs.seeds, new_seq_lens
             )
-            targets = root_targets.tokens
+            targets, commit_lens = root_targets.tokens, root_targets.commit_lens  # [B], [B] int32 ones
         if inputs.on_publish is not None:
             inputs.on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with timer.stage("commit"):
             hidden = real_rows(logits_output.hidden_states, bs, 1)
-            self._context.defer(batch, ContextRows(hidden.clone(), slots, inputs.prefix))
+            if target_out.can_run_cuda_graph:
+                hidden = hidden.clone()  # the graph's output buffer is overwritten by its next replay
+            self._context.defer(batch, ContextRows(hidden, slots, inputs.prefix))
             attach_step_hidden_states(batch, logits_output, bs, 1, None)
             attach_sampling_masks(
                 batch, logits_output, root_targets.target_probs, targets[:, None], None, commit_lens
@@ -349,7 +350,7 @@ class BastionWorker(DFlashWorkerV2):
             accept = self._acceptor.walk(
                 batch, logits, rows, row_logits, step.contexts, inputs.seeds, inputs.prefix
             )
-            new_seq_lens = inputs.prefix + accept.commit_lens.to(torch.int64)
+            new_seq_lens = inputs.prefix + accept.commit_counts
         if inputs.on_publish is not None:
             inputs.on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with timer.stage("commit"):

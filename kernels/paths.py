@@ -24,13 +24,15 @@ class AcceptedPaths:
 
     order: each row's permutation with the path first, root to deepest, then the other positions
     ascending (`compaction_order`); out_tokens: the step's output row, the path's draft tokens, the bonus,
-    then zeros (`committed_tokens`); commit_lens: tokens emitted, accepted nodes + 1; bonus_tokens: the
-    target's token after the deepest path node (the next root).
+    then zeros (`committed_tokens`); commit_lens: tokens emitted, accepted nodes + 1, as SGLang's accept
+    lengths (int32); commit_counts: the same counts as int64, the dtype of the committed lengths they are
+    added to; bonus_tokens: the target's token after the deepest path node (the next root).
     """
 
     order: torch.Tensor  # [B, W] int64
     out_tokens: torch.Tensor  # [B, W] int64
     commit_lens: torch.Tensor  # [B] int32
+    commit_counts: torch.Tensor  # [B] int64, equal to commit_lens
     bonus_tokens: torch.Tensor  # [B] int64
 
 
@@ -59,5 +61,6 @@ def accept_paths(trees: TreeBatch, ancestors: torch.Tensor, target_tokens: torch
         order=order,
         out_tokens=out_tokens,
         commit_lens=kept[:, 0].to(torch.int32),
+        commit_counts=kept[:, 0],
         bonus_tokens=out_tokens.gather(1, kept - 1)[:, 0],
     )

@@ -34,12 +34,13 @@ def chained(trees: TreeBatch, target_tokens: torch.Tensor) -> AcceptedPaths:
         order=order,
         out_tokens=kernels.committed_tokens(trees.tokens, order, accept),
         commit_lens=(accept.accept_length + 1).to(torch.int32),
+        commit_counts=accept.accept_length.to(torch.int64) + 1,
         bonus_tokens=accept.bonus_tokens,
     )
 
 
 def assert_same(got: AcceptedPaths, expected: AcceptedPaths) -> None:
-    for name in ("order", "out_tokens", "commit_lens", "bonus_tokens"):
+    for name in ("order", "out_tokens", "commit_lens", "commit_counts", "bonus_tokens"):
         value, want = getattr(got, name), getattr(expected, name)
         assert value.dtype == want.dtype, name
         assert torch.equal(value, want), (name, value.tolist(), want.tolist())

@@ -35,6 +35,7 @@ def test_cuda_equals_cpu_and_the_triton_walk(device: torch.device, batch: int, w
         order=order,
         out_tokens=kernels.committed_tokens(cuda_trees.tokens, order, walk),
         commit_lens=(walk.accept_length + 1).to(torch.int32),
+        commit_counts=walk.accept_length.to(torch.int64) + 1,
         bonus_tokens=walk.bonus_tokens,
     )
     assert_same(to_cpu(chained), expected)
