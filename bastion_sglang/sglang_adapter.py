@@ -1098,25 +1098,25 @@ def target_sampling_probs(
     with the filter rule of this batch and SGLang's `sampling_backend`).
 
     logits: [B * W, V] float (penalties, grammar masks and biases applied). Returns [B, W, V] unnormalised
-    non-negative weights (sampling normalises).
+    non-negative weights (sampling normalises). Each request's parameters ([B, 1] temperatures, [B] top-k,
+    top-p, min-p) broadcast over its W positions as [B, 1] views, without a copy per position.
     """
     rows, vocab = logits.shape
     batch = rows // width
 
-    def per_position(values: torch.Tensor) -> torch.Tensor:
-        return torch.repeat_interleave(values.reshape(batch, -1)[:, 0], width)
+    def per_request(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(batch, -1)[:, :1]  # [B, 1], a view
 
     rule = kernels.filter_rule(
         sampling_backend,
         sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling,
         sampling_info.need_min_p_sampling,
     )
-    probs = kernels.processed_probs(
-        logits,
-        per_position(sampling_info.temperatures),
-        per_position(sampling_info.top_ks),
-        per_position(sampling_info.top_ps),
-        per_position(sampling_info.min_ps),
+    return kernels.processed_probs(
+        logits.view(batch, width, vocab),
+        per_request(sampling_info.temperatures),
+        per_request(sampling_info.top_ks),
+        per_request(sampling_info.top_ps),
+        per_request(sampling_info.min_ps),
         rule,
     )
-    return probs.view(batch, width, vocab)

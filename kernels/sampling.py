@@ -61,23 +61,29 @@ def processed_probs(
 ) -> torch.Tensor:
     """The distribution SGLang's sampler draws each row's token from, as unnormalised weights.
 
-    logits: [M, V] floating (penalties, grammar masks and biases applied). temperatures: [M] > 0.
-    top_ks: [M] integer (>= V or SGLang's TOP_K_ALL: no limit). top_ps: [M] in (0, 1]. min_ps: [M] in [0, 1).
-    rule: `filter_rule` of the batch. Returns [M, V] float32 non-negative weights, zero where filtered out;
-    each row has positive mass (the mode always survives) and is proportional to p on its support.
+    logits: [M, V] or [B, W, V] floating (penalties, grammar masks and biases applied), rows on the last
+    dimension. The parameters are one per row, or broadcast to the rows: [M], or [B, 1] for W rows of one
+    request sharing them (no copy per row). temperatures > 0; top_ks integer (>= V or SGLang's TOP_K_ALL: no
+    limit); top_ps in (0, 1]; min_ps in [0, 1). rule: `filter_rule` of the batch. Returns float32
+    non-negative weights shaped as logits, zero where filtered out; each row has positive mass (the mode
+    always survives) and is proportional to p on its support.
     """
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be floating [M, V], got {logits.dtype} {tuple(logits.shape)}")
-    rows, vocab = logits.shape
+    if logits.dim() not in (2, 3) or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be floating [M, V] or [B, W, V], got {logits.dtype} {tuple(logits.shape)}"
+        )
+    rows, vocab = logits.shape[:-1], logits.shape[-1]
     for name, value in (
         ("temperatures", temperatures),
         ("top_ks", top_ks),
         ("top_ps", top_ps),
         ("min_ps", min_ps),
     ):
-        if value.shape != (rows,):
-            raise ValueError(f"{name} must be [M] = ({rows},), got {tuple(value.shape)}")
-    probs = torch.softmax(logits.float() / temperatures.float()[:, None], dim=-1)
+        if value.dim() != len(rows) or any(
+            size not in (1, row) for size, row in zip(value.shape, rows, strict=True)
+        ):
+            raise ValueError(f"{name} must broadcast to the rows {tuple(rows)}, got {tuple(value.shape)}")
+    probs = torch.softmax(logits.float() / temperatures.float()[..., None], dim=-1)
     if rule is FilterRule.NONE:
         return probs
     if rule is FilterRule.JOINT and vocab > TOP_CANDIDATES:
@@ -94,15 +100,20 @@ def _joint_from_candidates(
     falls), so a row keeps a prefix of its sorted order: when the last candidate is dropped, the candidates
     decide the row exactly (the same values in the same order as a full sort, so the same cumulative sums).
     A full vocabulary sort costs milliseconds on a CPU for the few hundred tokens top-p usually keeps.
-    probs: [M, V] softmax; the rest as `processed_probs`. Returns [M, V] float32 weights.
+    probs: [..., V] softmax; the rest as `processed_probs`. Returns float32 weights shaped as probs.
     """
-    top_probs, top_order = torch.topk(probs, TOP_CANDIDATES, dim=-1)  # [M, K], sorted descending
+    top_probs, top_order = torch.topk(probs, TOP_CANDIDATES, dim=-1)  # [..., K], sorted descending
     kept, keep = _joint_kept(top_probs, top_ks, top_ps, min_ps)
-    out = torch.zeros_like(probs).scatter_(1, top_order, kept)
-    longer = keep[:, -1]  # [M] rows whose kept prefix may reach past the candidates
+    out = torch.zeros_like(probs).scatter_(-1, top_order, kept)
+    longer = keep[..., -1]  # [...] rows whose kept prefix may reach past the candidates
     if bool(longer.any()):
+        shape = longer.shape
         out[longer] = _filtered_by_sort(
-            probs[longer], top_ks[longer], top_ps[longer], min_ps[longer], FilterRule.JOINT
+            probs[longer],
+            top_ks.expand(shape)[longer],
+            top_ps.expand(shape)[longer],
+            min_ps.expand(shape)[longer],
+            FilterRule.JOINT,
         )
     return out
 
@@ -111,7 +122,7 @@ def _joint_kept(
     sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The JOINT rule on rows sorted descending (all V tokens or a leading prefix): (kept weights, keep mask),
-    both [M, K]."""
+    both [..., K]."""
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     return _kept_sorted(sorted_probs, mass_before, top_ks, top_ps, min_ps)
 
@@ -124,24 +135,25 @@ def _kept_sorted(
     min_ps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, top-p (on `mass_before`, the mass ranked before each token under the rule) and min-p on rows
-    sorted descending: (kept weights, keep mask), both [M, K]."""
-    ranks = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
-    keep = (ranks < top_ks[:, None]) & (mass_before <= top_ps.float()[:, None])
-    keep &= sorted_probs >= sorted_probs[:, :1] * min_ps.float()[:, None]
+    sorted descending: (kept weights, keep mask), both [..., K]."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    keep = (ranks < top_ks[..., None]) & (mass_before <= top_ps.float()[..., None])
+    keep &= sorted_probs >= sorted_probs[..., :1] * min_ps.float()[..., None]
     return sorted_probs.masked_fill(~keep, 0.0), keep
 
 
 def _filtered_by_sort(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, rule: FilterRule
 ) -> torch.Tensor:
-    """JOINT or SEQUENTIAL over fully sorted rows. probs: [M, V] softmax. Returns [M, V] float32 weights."""
+    """JOINT or SEQUENTIAL over fully sorted rows. probs: [..., V] softmax. Returns float32 weights shaped as
+    probs."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     if rule is FilterRule.JOINT:
         kept, _ = _joint_kept(sorted_probs, top_ks, top_ps, min_ps)
-        return torch.zeros_like(probs).scatter_(1, order, kept)
-    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    top_k_probs = sorted_probs * (ranks < top_ks[:, None])
+        return torch.zeros_like(probs).scatter_(-1, order, kept)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    top_k_probs = sorted_probs * (ranks < top_ks[..., None])
     top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
     mass_before = torch.cumsum(top_k_probs, dim=-1) - top_k_probs
     kept, _ = _kept_sorted(sorted_probs, mass_before, top_ks, top_ps, min_ps)
-    return torch.zeros_like(probs).scatter_(1, order, kept)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)

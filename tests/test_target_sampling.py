@@ -12,7 +12,9 @@ import torch
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
+from bastion_sglang import kernels
 from bastion_sglang.sglang_adapter import target_sampling_probs
+from bastion_sglang.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
 
 BATCH, WIDTH, VOCAB = 2, 3, 50
 
@@ -68,3 +70,56 @@ def test_top_k_and_top_p_keep_what_sglang_keeps(logits: torch.Tensor) -> None:
         assert torch.equal(
             probs[:, position][probs[:, position] > 0], softmax[:, position][probs[:, position] > 0]
         )
+
+
+def per_position_probs(
+    logits: torch.Tensor, info: SamplingBatchInfo, width: int, backend: str
+) -> torch.Tensor:
+    """`target_sampling_probs` as it was computed with one copy of each request's parameters per position
+    (`repeat_interleave`), the reference of the broadcast form."""
+    batch = logits.shape[0] // width
+
+    def per_position(values: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(values.reshape(batch, -1)[:, 0], width)
+
+    rule = kernels.filter_rule(
+        backend, info.need_top_k_sampling or info.need_top_p_sampling, info.need_min_p_sampling
+    )
+    params = (info.temperatures, info.top_ks, info.top_ps, info.min_ps)
+    probs = kernels.processed_probs(logits, *(per_position(value) for value in params), rule)
+    return probs.view(batch, width, -1)
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "flashinfer"])
+@pytest.mark.parametrize("vocab", [VOCAB, 700])  # 700 > TOP_CANDIDATES: the JOINT rule's candidate path
+@pytest.mark.parametrize("width", [1, 5])
+def test_broadcast_parameters_give_the_per_position_result_bit_for_bit(
+    backend: str, vocab: int, width: int
+) -> None:
+    """Requests with no filter (kept whole: the JOINT rule sorts their rows), top-k, top-p and min-p, each
+    parameter broadcast over the request's positions instead of copied."""
+    batch = 4
+    logits = torch.randn(batch * width, vocab, generator=torch.Generator().manual_seed(vocab + width)) * 3
+    info = sampling_info([0.7, 1.3, 1.0, 0.9], [TOP_K_ALL, 7, TOP_K_ALL, TOP_K_ALL], [1.0, 1.0, 0.85, 1.0])
+    info.min_ps = torch.tensor([0.0, 0.0, 0.0, 0.05])
+    info.need_min_p_sampling = True
+    for need_filters in (True, False):
+        info.need_top_k_sampling = info.need_top_p_sampling = info.need_min_p_sampling = need_filters
+        got = target_sampling_probs(logits, info, width, backend)
+        expected = per_position_probs(logits, info, width, backend)
+        assert got.shape == (batch, width, vocab) and got.dtype == expected.dtype
+        assert torch.equal(got, expected)
+
+
+def test_the_parameters_are_not_copied_per_position(logits: torch.Tensor) -> None:
+    """The ops are those of the distribution alone: a no-filter batch is the division and the softmax."""
+    info = sampling_info([0.7, 1.3], [TOP_K_ALL, TOP_K_ALL], [1.0, 1.0])
+    records: list[StepCounts] = []
+    anatomy = StepAnatomy(True, records.append)
+    anatomy.open_step(1, ("r0",))
+    anatomy.set_kind("speculative")
+    target_sampling_probs(logits, info, WIDTH, "pytorch")
+    record = anatomy.close_step()
+    assert record is not None
+    counts = record.stages[OUTSIDE]
+    assert counts.ops == 2 and counts.syncs == {}, counts.sites
