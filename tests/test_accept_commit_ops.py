@@ -5,32 +5,20 @@ counted by the step anatomy's counter on the CPU for different contents of one b
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from op_counting import counted, sampling_info_stand_in
 
 from bastion_sglang import kernels
 from bastion_sglang.accept import Acceptor, RowLogits
 from bastion_sglang.commit import TreeCommit
 from bastion_sglang.kernels import NO_NODE, TreeBatch
-from bastion_sglang.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
+from bastion_sglang.step_anatomy import StageCounts
 
 VOCAB, HIDDEN = 64, 8
-
-
-def counted(call: Callable[[], object]) -> StageCounts:
-    """The ops and host reads of `call()` (on the CPU every read of a tensor counts)."""
-    records: list[StepCounts] = []
-    anatomy = StepAnatomy(True, records.append)
-    anatomy.open_step(1, ("r0",))
-    anatomy.set_kind("speculative")
-    call()
-    record = anatomy.close_step()
-    assert record is not None
-    return record.stages[OUTSIDE]
 
 
 def random_rows(seed: int, batch: int, width: int) -> TreeBatch:
@@ -54,17 +42,7 @@ def fake_batch(batch: int, greedy: bool) -> Any:
     params = SimpleNamespace(
         frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0
     )
-    sampling_info = SimpleNamespace(
-        is_all_greedy=greedy,
-        logit_bias=None,
-        need_top_k_sampling=False,
-        need_top_p_sampling=False,
-        need_min_p_sampling=False,
-        temperatures=torch.full((batch, 1), 0.7),
-        top_ks=torch.full((batch,), VOCAB, dtype=torch.int32),
-        top_ps=torch.ones(batch),
-        min_ps=torch.zeros(batch),
-    )
+    sampling_info = sampling_info_stand_in(batch, VOCAB, greedy)
     reqs = [SimpleNamespace(sampling_params=params, rid=f"r{b}") for b in range(batch)]
     return SimpleNamespace(reqs=reqs, sampling_info=sampling_info)
 

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 import torch
+from op_counting import counted
 
 from bastion_sglang import kernels
 from bastion_sglang.kernels import NO_NODE, AcceptedPaths, TreeBatch
-from bastion_sglang.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
 
 # root 0; 1 and 2 children of the root; 3 and 4 children of 2; 5 a child of 4 (tokens distinct)
 HAND = TreeBatch(
@@ -115,18 +114,6 @@ def test_bad_inputs_are_refused() -> None:
         kernels.accept_paths(HAND, ancestors.long(), targets)
     with pytest.raises(ValueError, match="target_tokens"):
         kernels.accept_paths(HAND, ancestors, targets[:, :5])
-
-
-def counted(call: Callable[[], object]) -> StageCounts:
-    """The ops and host reads of `call()` (run on the CPU, where every read of a tensor counts)."""
-    records: list[StepCounts] = []
-    anatomy = StepAnatomy(True, records.append)
-    anatomy.open_step(1, ("r0",))
-    anatomy.set_kind("speculative")
-    call()
-    record = anatomy.close_step()
-    assert record is not None
-    return record.stages[OUTSIDE]
 
 
 @pytest.mark.parametrize(("batch", "width"), [(1, 17), (8, 17), (4, 64)])

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from op_counting import counted, sampling_info_stand_in
 
 from bastion_sglang.accept import Acceptor
 from bastion_sglang.commit import DraftContextWriter
-from bastion_sglang.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
+from bastion_sglang.step_anatomy import StageCounts
 from bastion_sglang.target_forward import DecodeInputs, TargetForward
 from bastion_sglang.worker import BastionWorker
 
@@ -41,18 +42,7 @@ REQS = [SimpleNamespace(sampling_params=PARAMS, rid=f"r{b}") for b in range(BATC
 def fake_batch(greedy: bool) -> Any:
     """What a width-1 step reads of SGLang's ScheduleBatch: REQS, no grammar, no logit_bias, nothing returned
     besides the tokens; temperature 0.7 and no filter when not greedy."""
-    sampling_info = SimpleNamespace(
-        is_all_greedy=greedy,
-        logit_bias=None,
-        need_top_k_sampling=False,
-        need_top_p_sampling=False,
-        need_min_p_sampling=False,
-        temperatures=torch.full((BATCH, 1), 0.7),
-        top_ks=torch.full((BATCH,), VOCAB, dtype=torch.int32),
-        top_ps=torch.ones(BATCH),
-        min_ps=torch.zeros(BATCH),
-        sampling_mask_batch_indices=None,
-    )
+    sampling_info = sampling_info_stand_in(BATCH, VOCAB, greedy)
     return SimpleNamespace(
         reqs=REQS,
         sampling_info=sampling_info,
@@ -111,18 +101,6 @@ def step_of(seed: int, greedy: bool) -> tuple[DecodeInputs, Any, Any]:
     return inputs, step, output
 
 
-def counted(call: Any) -> StageCounts:
-    """The ops and host reads of `call()` (on the CPU every read of a tensor counts)."""
-    records: list[StepCounts] = []
-    anatomy = StepAnatomy(True, records.append)
-    anatomy.open_step(1, ("r0",))
-    anatomy.set_kind("skipped")
-    call()
-    record = anatomy.close_step()
-    assert record is not None
-    return record.stages[OUTSIDE]
-
-
 def plain_steps(greedy: bool, graph: bool) -> list[tuple[StageCounts, Any, DecodeInputs, Any]]:
     """Consecutive width-1 steps of one worker and one batch of requests, with different tokens, lengths,
     rows and forward outputs: the second and third step (the first allocates the commit lengths' buffer), each
@@ -135,7 +113,8 @@ def plain_steps(greedy: bool, graph: bool) -> list[tuple[StageCounts, Any, Decod
         outputs.append(output)
         results: list[Any] = []
         counts = counted(
-            lambda: results.append(BastionWorker._plain_step(worker, inputs, step, False))  # noqa: B023
+            lambda: results.append(BastionWorker._plain_step(worker, inputs, step, False)),  # noqa: B023
+            "skipped",
         )
         steps.append((counts, results[0], inputs, output))
     return steps[1:]
