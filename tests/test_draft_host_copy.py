@@ -43,10 +43,6 @@ from bastion_sglang.lattice_plan import plan_draft
 from bastion_sglang.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
 from bastion_sglang.step_controller import StepController, StepPlan
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")),
-]
 CALIBRATION = AcceptanceCalibration(slopes=[1.6, 1.2], offsets=[-0.3, -0.8], events=[50, 20])
 
 
@@ -65,10 +61,14 @@ def awkward_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
     return values
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("lattice", [False, True])
-def test_the_host_copy_is_the_draft_bit_for_bit(device: str, dtype: torch.dtype, lattice: bool) -> None:
+def test_the_host_copy_is_the_draft_bit_for_bit(dtype: torch.dtype, lattice: bool) -> None:
+    """On the CPU (tests/gpu/test_plan_syncs_cuda.py: on CUDA); `host_copy_is_the_draft_bit_for_bit`."""
+    host_copy_is_the_draft_bit_for_bit("cpu", dtype, lattice)
+
+
+def host_copy_is_the_draft_bit_for_bit(device: str, dtype: torch.dtype, lattice: bool) -> None:
     """Values widened to float64 exactly (NaN, -0.0, -inf and subnormals included) and ids of any int64 value
     (past 2**31 and 2**53, negative) or int32, of a top-K [B, D, K] or a lattice [B, D, K, K] beside [B, D, K]
     ids; the inputs are left as they were."""
@@ -208,18 +208,6 @@ def test_each_host_builder_and_record_reads_its_draft_once() -> None:
     path = tuple(int(t) for t in lattice.unary.token_ids[0, :, 0])
     lattice_record = LatticeRecord(lattice.transitions[0], lattice.unary.token_ids[0], path)
     one_copy(counted_reads(lambda: list(lattice_record.events(5))))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a real device-to-host copy")
-@pytest.mark.parametrize("kind", ["top-k", "lattice"])
-def test_on_cuda_a_host_built_plan_syncs_once(kind: str) -> None:
-    """On CUDA (only reads of device tensors count) the whole plan of a host-built step is one sync."""
-    planner = controller(CALIBRATION, "cuda")
-    step = planner.begin([100] * 8, [True] * 8, [f"r{b}" for b in range(8)])
-    draft = top_k(8, seed=8, device="cuda") if kind == "top-k" else random_lattice(8, seed=8, device="cuda")
-    record = counted_reads(lambda: plan_draft(planner, step, draft, 4), host_tensors_sync=False)
-    assert sum(counts.sync_count for counts in record.stages.values()) == 1
-    one_copy(record)
 
 
 def test_several_values_share_the_one_copy() -> None:

@@ -1,7 +1,8 @@
 """The draft and plan stages' device reads on CUDA, where only reads of device tensors sync: a calibrated
 plan and its record (raw-Â metric included) make one sync, built on the host or by the beam; a beam batch
 copies itself to the host once however often it is read; `selector_logprobs` at a host temperature makes
-none, bit for bit the division it replaces."""
+none, bit for bit the division it replaces; the one packed host copy of a CUDA draft is the draft bit for
+bit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from test_draft_host_copy import (
     RawAccept,
     controller,
     counted_reads,
+    host_copy_is_the_draft_bit_for_bit,
     old_selector_logprobs,
+    one_copy,
     random_lattice,
     raw_accept_by_device_scores,
     top_k,
@@ -87,3 +90,21 @@ def test_selector_logprobs_at_a_host_temperature_does_not_sync(temperature: floa
     want = old_selector_logprobs(scores, temperature)
     for result in got:
         assert torch.equal(result.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("lattice", [False, True])
+def test_the_host_copy_of_a_cuda_draft_is_the_draft_bit_for_bit(dtype: torch.dtype, lattice: bool) -> None:
+    """tests/test_draft_host_copy.py's check, of a draft on CUDA."""
+    host_copy_is_the_draft_bit_for_bit("cuda", dtype, lattice)
+
+
+@pytest.mark.parametrize("kind", ["top-k", "lattice"])
+def test_on_cuda_a_host_built_plan_syncs_once(kind: str) -> None:
+    """On CUDA (only reads of device tensors count) the whole plan of a host-built step is one sync."""
+    planner = controller(CALIBRATION, "cuda")
+    step = planner.begin([100] * 8, [True] * 8, [f"r{b}" for b in range(8)])
+    draft = top_k(8, seed=8, device="cuda") if kind == "top-k" else random_lattice(8, seed=8, device="cuda")
+    record = counted_reads(lambda: plan_draft(planner, step, draft, 4), host_tensors_sync=False)
+    assert sum(counts.sync_count for counts in record.stages.values()) == 1
+    one_copy(record)
