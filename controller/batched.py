@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
+import numpy as np
 import torch
 
 from bastion_sglang.controller.acceptance import node_log_scores
@@ -60,23 +61,22 @@ class DraftTreeBatch:
 
     @cached_property
     def _read_to_host(self) -> DraftTreeBatch:
-        """These device trees on the host, read by ONE device-to-host copy: the fields side by side in one
-        [F, B, N] int64 tensor on their device (the float64 scores bit-cast), copied once and split there,
-        bit for bit. A batch without nodes is made on the host without a read."""
+        """These device trees on the host, read by ONE device-to-host copy (`fast_tree.host_drafts`: the
+        float64 scores bit-cast beside the [B, N, 3] token, parent and depth fields), split there bit for bit.
+        A batch without nodes is made on the host without a read."""
         if self.num_nodes == 0:
             empty = DraftTreeBatch.empty(self.batch_size, "cpu")
             raw = None if self.raw_log_scores is None else empty.log_scores
             return replace(empty, raw_log_scores=raw)
         scores = [self.log_scores] if self.raw_log_scores is None else [self.log_scores, self.raw_log_scores]
-        packed = torch.stack(
-            [
-                *(t.to(torch.int64) for t in (self.tokens, self.parents, self.depths)),
-                *(s.to(torch.float64).view(torch.int64) for s in scores),
-            ]
-        )
-        host = packed.cpu()  # the one copy: a host sync on a device
-        tokens, parents, depths, *scores_host = host.unbind(0)
-        floats = [s.view(torch.float64) for s in scores_host]
+        fields = torch.stack([t.to(torch.int64) for t in (self.tokens, self.parents, self.depths)], dim=-1)
+        values, ints = host_drafts(scores, fields)  # the one copy: a host sync on a device
+
+        def host(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array))
+
+        tokens, parents, depths = (host(ints[..., column]) for column in range(3))
+        floats = [host(value) for value in values]
         return DraftTreeBatch(tokens, parents, depths, floats[0], floats[1] if len(floats) > 1 else None)
 
     @classmethod

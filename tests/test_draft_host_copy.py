@@ -324,7 +324,7 @@ def test_beam_trees_copy_themselves_to_the_host_once(acceptance: AcceptanceCalib
     copies: list[DraftTreeBatch] = []
     record = counted_reads(lambda: copies.extend(trees._read_to_host for _ in range(3)))
     reads = draft_reads(record)
-    assert list(reads.values()) == [1] and next(iter(reads)).endswith(" _read_to_host"), reads
+    assert list(reads.values()) == [1] and next(iter(reads)).endswith(" host_drafts"), reads
     assert copies[0] is copies[1] is copies[2]
     host = copies[0]
     for field in ("tokens", "parents", "depths"):
