@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,15 +36,6 @@ def redrawn_rows(batch: ScheduleBatch) -> list[int]:
         for row, (req, length) in enumerate(zip(batch.reqs, lengths, strict=True))
         if req.output_ids and int(length) == len(req.origin_input_ids) + len(req.output_ids)
     ]
-
-
-@dataclass(frozen=True)
-class _Redraw:
-    """One prefill batch's redraw: its rows to redraw, the requests' walk seeds [B] int64."""
-
-    batch: ScheduleBatch
-    rows: list[int]
-    seeds: torch.Tensor
 
 
 class PrefillRedraw:
@@ -71,12 +61,11 @@ class PrefillRedraw:
             return
         runner = self._runner
         sample: Callable[[Any, Any], torch.Tensor] = runner.sample
-        redraw = _Redraw(batch, rows, seeds)
 
         def redrawing_sample(logits_output: Any, forward_batch: Any) -> torch.Tensor:
             raw = logits_output.next_token_logits[:, : self._acceptor.vocab_size].clone()
             token_ids = sample(logits_output, forward_batch)
-            return self._redraw(redraw, raw, token_ids, logits_output)
+            return self._redraw(batch, rows, seeds, raw, token_ids, logits_output)
 
         own = vars(runner).get("sample")  # an instance attribute to restore, if the runner had one
         runner.sample = redrawing_sample
@@ -90,14 +79,16 @@ class PrefillRedraw:
 
     def _redraw(
         self,
-        redraw: _Redraw,
+        batch: ScheduleBatch,
+        rows: list[int],
+        seeds: torch.Tensor,
         logits: torch.Tensor,
         token_ids: torch.Tensor,
         logits_output: Any,
     ) -> torch.Tensor:
-        """token_ids [B] (SGLang's) with the redrawn rows replaced; logits: [B, V] raw, processed here in
-        place."""
-        batch, acceptor = redraw.batch, self._acceptor
+        """token_ids [B] (SGLang's) with `rows` redrawn; seeds: [B] int64; logits: [B, V] raw, processed
+        here in place."""
+        acceptor = self._acceptor
         reqs: list[Req] = batch.reqs
         last_tokens = [(req.output_ids or req.origin_input_ids)[-1] for req in reqs]
         roots = torch.tensor(last_tokens, dtype=torch.int64).to(logits.device)
@@ -110,8 +101,8 @@ class PrefillRedraw:
             sampling_info.grammar_mask.apply(logits)
             sampling_info.grammar_mask = None
         positions = torch.tensor(contexts, dtype=torch.int64).to(logits.device) + 1
-        drawn = acceptor.draw(batch, logits, redraw.seeds, positions).tokens
-        index = torch.tensor(redraw.rows, dtype=torch.int64).to(logits.device)
+        drawn = acceptor.draw(batch, logits, seeds, positions).tokens
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device)
         token_ids = token_ids.clone()
         token_ids[index] = drawn[index].to(token_ids.dtype)
         if batch.return_logprob and logits_output.next_token_logprobs is not None:
