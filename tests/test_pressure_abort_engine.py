@@ -9,8 +9,9 @@ invariants; a failed check kills the scheduler and with it the run). In order:
 1. seeded, alone: each seeded request by itself (no retraction: `num_retractions` 0);
 2. pressure: the greedy and seeded requests in one batch, more than the pool holds, so SGLang retracts
    requests ("KV cache pool is full. Retract requests") and runs them again from a prefill of prompt +
-   output so far; asserted through `meta_info["num_retractions"]` (SGLang's per-request count), so the test
-   cannot pass without retraction;
+   output so far; SGLang's retraction test hook also retracts a request every RETRACT_INTERVAL forwards, so
+   every phase of two or more requests retracts whatever the timing; asserted through
+   `meta_info["num_retractions"]` (SGLang's per-request count), so the test cannot pass without retraction;
 3. abort storm under pressure: the same requests again, beside VICTIMS streaming requests that are aborted
    (`TokenizerManager.abort_request`) once each has streamed CHUNKS_BEFORE_ABORT chunks;
 4. a check request after an idle second (SGLang's idle leak check runs), then shutdown.
@@ -81,10 +82,16 @@ CONSERVATIVENESS = 0.3
 conservativeness keeps admitting past what the pool holds, so the abort storm retracts too."""
 GREEDY = {"temperature": 0.0, "max_new_tokens": GREEDY_NEW_TOKENS, "ignore_eos": True}
 DECOY_GAP = 0.4
-STRICT_MEM_ENV = {
+RETRACT_INTERVAL = 7
+"""SGLang's retraction test hook (SGLANG_TEST_RETRACT) retracts at least one request of every running batch
+of two or more at each RETRACT_INTERVAL-th forward, besides the retractions the full pool triggers: whether
+the pool alone fills in a phase depends on how the scheduler's steps and the victims' aborts interleave."""
+SCHEDULER_ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
     "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+    "SGLANG_TEST_RETRACT": "1",
+    "SGLANG_TEST_RETRACT_INTERVAL": str(RETRACT_INTERVAL),
 }
 IDLE_CHECK_SECONDS = 1.0
 
@@ -182,7 +189,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         schedule_conservativeness=CONSERVATIVENESS,
     )
     with pytest.MonkeyPatch.context() as env:
-        for name, value in STRICT_MEM_ENV.items():
+        for name, value in SCHEDULER_ENV.items():
             env.setenv(name, value)
         engine = sglang.Engine(server_args=server_args)
     try:
