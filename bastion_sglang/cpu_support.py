@@ -26,8 +26,9 @@ every `from X import name` copy):
   to the verify tokens the flat custom mask allows (`kernels.tree_attention`). With `--page-size` above 1
   it reads the keys through each page's first slot, as paged CUDA kernels do (`paged_slots`), so a commit
   that broke SGLang's page invariant changes the CPU outputs instead of passing unnoticed.
-- `mem_cache.allocation.assign_req_to_token_pool_func` -> a torch loop (SGLang's runs the Triton kernel
-  `assign_req_to_token_pool` unless its CPU engine is on; decode allocation for speculation calls it).
+- `mem_cache.allocation.assign_req_to_token_pool_func` -> one indexed store, its indices laid out in numpy
+  from the host offsets (SGLang's runs the Triton kernel `assign_req_to_token_pool` unless its CPU engine is
+  on; decode allocation for speculation calls it).
 - `kernels.ops.kvcache.cache_move.copy_all_layer_kv_cache_func` -> host byte copies (SGLang's launches a
   Triton kernel unless its CPU engine is on; the KV pool warms it up when speculation is on).
 - `ModelRunner._extend_forward_kwargs` casts `input_embeds` to the model dtype instead of always
@@ -46,6 +47,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from bastion_sglang.config import ALGORITHM, CPU_ATTENTION_BACKEND
@@ -179,15 +181,22 @@ def assign_req_to_token_pool_torch(
     """Stands in for `sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func` (Triton).
 
     req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]] = the next (end - start) entries of
-    out_cache_loc, requests in order. All index tensors [batch_size] on the host (CPU run).
+    out_cache_loc, requests in order. All index tensors [batch_size] on the host (CPU run). Two torch ops
+    (the cast and one indexed store) at any batch size, as the Triton kernel is one launch: the indices of
+    every written entry are laid out in numpy from the host offsets.
     """
-    rows = req_pool_indices[:batch_size].tolist()
-    starts = start_offset[:batch_size].tolist()
-    ends = end_offset[:batch_size].tolist()
-    offset = 0
-    for row, start, end in zip(rows, starts, ends, strict=True):
-        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start].to(req_to_token.dtype)
-        offset += end - start
+    rows = np.asarray(req_pool_indices[:batch_size].tolist(), dtype=np.int64)
+    starts = np.asarray(start_offset[:batch_size].tolist(), dtype=np.int64)
+    lengths = np.asarray(end_offset[:batch_size].tolist(), dtype=np.int64) - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    entry_rows = np.repeat(rows, lengths)  # [total] the request row of each entry
+    first_entry = np.cumsum(lengths) - lengths  # [B] where each request's entries start in out_cache_loc
+    entry_cols = np.arange(total) + np.repeat(starts - first_entry, lengths)  # [total] token positions
+    req_to_token[torch.from_numpy(entry_rows), torch.from_numpy(entry_cols)] = out_cache_loc[:total].to(
+        req_to_token.dtype
+    )
 
 
 def copy_all_layer_kv_cache_host(
