@@ -267,23 +267,46 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> DraftTopK:
 
 
 def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: the smallest positive-probability token whose cumulative mass exceeds u·total.
+    """Inverse-CDF sampling: the first positive-probability token whose cumulative mass exceeds u·total.
 
     probs: [M, V] non-negative weights (need not sum to 1; each row needs positive total mass).
-    uniforms: [M] in [0, 1). Returns [M] int64. Cumulative sums are taken in at least float32. A token
-    with zero weight is never returned: a row whose threshold is not exceeded because of rounding (or
-    u >= 1) returns its last positive token. A pure function of its inputs, row by row.
+    uniforms: [M] in [0, 1). Returns [M] int64. Cumulative sums are taken in at least float32; total is a
+    row's largest one. A token with zero weight is never returned: where no cumulative mass exceeds
+    u·total (u >= 1, or rounding) the threshold drops to the float just below total, so the row returns
+    the first positive token whose cumulative mass is total. A pure function of its inputs, row by row.
+
+    One cumulative sum and one binary search per row (`torch.searchsorted`, which needs non-decreasing
+    sums): torch's CPU cumsum adds in sequence, so its sums of non-negative weights never decrease and a
+    zero-weight token repeats the sum before it, which is therefore never the first to exceed a threshold.
+    A parallel scan (any other device) may round a later sum below an earlier one, so there the sums are
+    replaced by their running maximum over the positive tokens, which has both properties by construction.
     """
     compute = torch.promote_types(probs.dtype, torch.float32)
     weights = probs.to(compute)
     cdf = torch.cumsum(weights, dim=-1)
-    threshold = uniforms.to(compute) * cdf[:, -1]
-    positive = weights > 0
-    hit = positive & (cdf > threshold[:, None])
-    width = probs.shape[1]
-    first_hit = hit.to(torch.uint8).argmax(dim=-1)
-    last_positive = (width - 1) - positive.flip(-1).to(torch.uint8).argmax(dim=-1)
-    return torch.where(hit.any(dim=-1), first_hit, last_positive)
+    if cdf.device.type != "cpu":
+        cdf = positive_running_max(weights, cdf)
+    return search_cdf(cdf, uniforms.to(compute))
+
+
+def search_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[M] int64: per row, the first index whose value exceeds u·total, the threshold capped at the float
+    just below total (total = the row's last value). cdf: [M, V] non-decreasing rows of positive total;
+    uniforms: [M] in cdf's dtype."""
+    total = cdf[:, -1:]  # [M, 1]
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    threshold = torch.minimum(uniforms[:, None] * total, below_total)
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+
+
+def positive_running_max(weights: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    """[M, V] the running maximum of the cumulative sums `cdf` taken at positive `weights` only (0 before
+    the first): non-decreasing, and unchanged at every zero-weight token, whatever rounding made cdf."""
+    return (
+        torch.where(weights > 0, cdf, torch.zeros((), dtype=cdf.dtype, device=cdf.device))
+        .cummax(dim=-1)
+        .values
+    )
 
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as two's-complement int64

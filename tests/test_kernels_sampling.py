@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from op_counting import counted
 from scipy.stats import chisquare
 
 from bastion_sglang.kernels import (
@@ -21,6 +22,7 @@ from bastion_sglang.kernels import (
     position_uniforms,
     sample_tokens,
 )
+from bastion_sglang.kernels.reference import positive_running_max, search_cdf
 
 # ---------------------------------------------------------------- sample_tokens
 
@@ -35,7 +37,8 @@ from bastion_sglang.kernels import (
         ([1.0, 0.0, 1.0, 2.0], 0.99, 3),
         ([0.0, 0.0, 3.0, 1.0], 0.0, 2),  # leading zero-mass tokens are skipped even at u = 0
         ([0.25, 0.5, 0.25, 0.0], 0.75, 2),
-        ([1.0, 1.0, 0.0, 0.0], 1.0, 1),  # u = 1 exceeds every threshold: the last positive token
+        ([1.0, 1.0, 0.0, 0.0], 1.0, 1),  # u = 1 exceeds every threshold: the first positive token at total
+        ([1.0, 1e-9, 0.0], 1.0, 0),  # 1 + 1e-9 rounds to 1 in float32: token 0 already reaches the total
         ([0.0, 5.0, 0.0], 0.3, 1),
     ],
 )
@@ -74,6 +77,42 @@ def test_sample_tokens_never_returns_zero_probability_tokens():
     uniforms[50:100] = 1.0 - 2.0**-24  # largest float32 below 1
     out = sample_tokens(probs, uniforms)
     assert bool((probs.gather(1, out[:, None]) > 0).all())
+
+
+def test_cpu_cumsum_never_decreases_and_repeats_at_zero_weights():
+    """`sample_tokens` searches torch's CPU cumulative sums directly: they must be non-decreasing, and a
+    zero-weight token must repeat the sum before it (fails if torch's CPU cumsum stops adding in sequence)."""
+    gen = torch.Generator().manual_seed(3)
+    magnitudes = torch.randint(-40, 3, (64, 4096), generator=gen).float()
+    weights = torch.rand(64, 4096, generator=gen) * torch.pow(10.0, magnitudes)  # 42 decades of weight
+    weights[torch.rand(64, 4096, generator=gen) < 0.3] = 0.0
+    cdf = torch.cumsum(weights, dim=-1)
+    steps = cdf[:, 1:] - cdf[:, :-1]
+    assert bool((steps >= 0).all())
+    assert bool((steps[weights[:, 1:] == 0] == 0).all())
+
+
+def test_running_max_search_never_returns_zero_weight_tokens_of_a_decreasing_scan():
+    """The path for devices whose parallel scan may round a later sum below an earlier one: on sums that
+    dip and rise at zero-weight tokens, the draw is the first positive token whose sum exceeds u·total."""
+    weights = torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 0.0]])
+    noisy = torch.tensor([[0.1, 1.0, 0.9, 1.5, 2.0, 2.6, 4.0, 3.9]])  # zero-weight tokens off by rounding
+    reach = positive_running_max(weights, noisy)
+    assert reach.tolist() == [[0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]]
+    for uniform, token in ((0.0, 1), (0.2, 1), (0.25, 4), (0.3, 4), (0.5, 6), (0.99, 6), (1.0, 6)):
+        assert search_cdf(reach, torch.tensor([uniform])).tolist() == [token], uniform
+
+
+def test_sample_tokens_issues_the_same_ops_for_any_batch_and_vocabulary():
+    counts = set()
+    for rows, vocab in ((1, 16), (8, 4096), (64, 49152)):
+        probs = torch.softmax(torch.randn(rows, vocab), dim=-1)
+        uniforms = torch.rand(rows)
+        step = counted(lambda probs=probs, uniforms=uniforms: sample_tokens(probs, uniforms))
+        assert step.syncs == {}
+        counts.add(step.ops)
+    assert len(counts) == 1
+    assert counts.pop() <= 7
 
 
 def test_sample_tokens_batched_equals_one_at_a_time():

@@ -230,3 +230,20 @@ def test_position_uniforms_on_cuda_equal_the_cpu_bit_for_bit(device: torch.devic
     on_cuda = kernels.position_uniforms(seeds.to(device), positions.to(device))
     assert on_cuda.device.type == "cuda"
     assert torch.equal(on_cuda.cpu(), on_cpu)
+
+
+def test_sample_tokens_on_cuda_equal_the_cpu_where_sums_are_exact(device: torch.device) -> None:
+    """The CUDA path (running maximum over positive tokens, then the binary search) draws what the CPU
+    draws where both scans sum exactly (integer weights, dyadic uniforms), and never a zero-weight token."""
+    gen = torch.Generator().manual_seed(13)
+    weights = torch.randint(0, 8, (512, 3000), generator=gen).float()
+    weights[torch.rand(512, 3000, generator=gen) < 0.8] = 0.0
+    weights[:, 1500] += 1  # every row has positive mass
+    uniforms = torch.randint(0, 1024, (512,), generator=gen).float() / 1024
+    uniforms[:32] = 1.0 - 2.0**-24
+    on_cpu = kernels.sample_tokens(weights, uniforms)
+    on_cuda = kernels.sample_tokens(weights.to(device), uniforms.to(device))
+    assert torch.equal(on_cuda.cpu(), on_cpu)
+    probs = torch.softmax(torch.randn(512, 49152, generator=gen) * 12, dim=-1).to(device)
+    drawn = kernels.sample_tokens(probs, torch.rand(512, generator=gen).to(device))
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all())
