@@ -176,7 +176,6 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
     ),
     *_internals("sglang.srt.speculative.spec_sampling_mask", "SpeculativeSamplingMaskCapture"),
     *_internals("sglang.srt.mem_cache.allocation", "alloc_for_spec_decode"),
-    *_internals("sglang.srt.mem_cache.allocation_sizing", "page_aligned_decode_alloc_lens"),
     *_internals("sglang.srt.mem_cache.memory_pool", "KVWriteLoc"),
     *_internals(
         "sglang.srt.model_executor.cuda_graph_config", "Backend", "Phase", "check_cuda_graph_backend"
@@ -280,7 +279,7 @@ STATE_INTERNALS: tuple[Internal, ...] = (
         "eos_token_ids",
         "finished",
     ),
-    *_members(_BATCH, "ReqKvInfo", "kv_committed_len"),
+    *_members(_BATCH, "ReqKvInfo", "kv_committed_len", "kv_allocated_len"),
     *_members(
         _SAMPLING_PARAMS,
         "SamplingParams",
@@ -293,7 +292,9 @@ STATE_INTERNALS: tuple[Internal, ...] = (
         "min_new_tokens",
         "stop_token_ids",
     ),
-    *_members("sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator", "page_size"),
+    *_members(
+        "sglang.srt.mem_cache.allocator.base", "BaseTokenToKVPoolAllocator", "page_size", "available_size"
+    ),
     *_members("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool", "req_to_token"),
     *_members(
         "sglang.srt.mem_cache.memory_pool",
@@ -328,13 +329,6 @@ STATE_INTERNALS: tuple[Internal, ...] = (
         "nxt_kv_lens_cpu",
         "num_needed_tokens",
         "batch",
-    ),
-    _call(
-        "sglang.srt.mem_cache.allocation_sizing",
-        "page_aligned_decode_alloc_lens",
-        None,
-        "reserve",
-        "page_size",
     ),
     _call(
         _TRANSLATOR,
@@ -800,7 +794,6 @@ from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.managers.overlap_utils import FutureMap
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
-from sglang.srt.mem_cache.allocation_sizing import page_aligned_decode_alloc_lens
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 from sglang.srt.model_executor.forward_batch_info import (
@@ -876,7 +869,6 @@ __all__ = [
     "get_serving",
     "get_spec",
     "make_draft_block_spec_info",
-    "page_aligned_decode_alloc_lens",
     "penaltylib",
     "resolve_dflash_embedding_module",
 ]
@@ -1062,6 +1054,16 @@ def maybe_evict_swa(batch: ScheduleBatch) -> None:
 def committed_kv_len(req: Req) -> int:
     """Tokens of `req` whose KV is committed in the cache (SGLang's `req.kv.kv_committed_len`)."""
     return int(req.kv.kv_committed_len)
+
+
+def allocated_kv_len(req: Req) -> int:
+    """KV slots allocated to `req`, committed or not (SGLang's `req.kv.kv_allocated_len`)."""
+    return int(req.kv.kv_allocated_len)
+
+
+def free_kv_slots(batch: ScheduleBatch) -> int:
+    """KV slots the batch's allocator can hand out without evicting the prefix cache."""
+    return int(batch.token_to_kv_pool_allocator.available_size())
 
 
 def count_decode_step(reqs: Sequence[Req]) -> None:

@@ -20,7 +20,7 @@ and `prepare_draft_forward` (the drafter's block pass).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,6 @@ from bastion_sglang.sglang_adapter import (
     SpeculativeAlgorithm,
     alloc_for_spec_decode,
     enable_num_token_non_padded,
-    page_aligned_decode_alloc_lens,
 )
 
 if TYPE_CHECKING:
@@ -45,6 +44,54 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind, KVLocPlan
     from sglang.srt.model_executor.model_runner import ModelRunner
+
+
+TOP_UP_SLOTS = 32
+"""KV slots a decode allocation adds past each request's reserve, where the pool has them free: with the
+reserve alone a step that commits one token would allocate (and write req_to_token) at every step."""
+
+
+@dataclass(frozen=True)
+class DecodeAllocation:
+    """The KV lengths a decode step allocates the requests from and to (host ints, one per request)."""
+
+    current: list[int]  # allocated now
+    target: list[int]  # allocated after, each >= current
+    needed: int  # slots to allocate: sum(target - current)
+
+
+def decode_allocation(
+    committed: Sequence[int],
+    allocated: Sequence[int],
+    *,
+    reserve: int,
+    page_size: int,
+    row_len: int,
+    free_slots: Callable[[], int],
+) -> DecodeAllocation | None:
+    """The allocation before a decode step, or None when every request already has `reserve` slots past
+    its committed KV (the common case: nothing to allocate, nothing to write).
+
+    A request short of that is raised to committed + reserve rounded up to a page (SGLang's
+    `page_aligned_decode_alloc_lens` rule). When any is short, every request of the batch is also topped up
+    to committed + reserve + `TOP_UP_SLOTS` (page-aligned, at most the whole pages of a req_to_token row of
+    `row_len` slots), so the batch's next top-ups come together; if the pool's `free_slots()` (asked only
+    then) cannot hold that, the allocation is the reserve alone.
+    """
+
+    def whole_pages(length: int) -> int:
+        return -(-length // page_size) * page_size
+
+    floor = [max(a, whole_pages(c + reserve)) for c, a in zip(committed, allocated, strict=True)]
+    if floor == list(allocated):
+        return None
+    row_pages = row_len // page_size * page_size
+    topped = [
+        max(f, min(whole_pages(c + reserve + TOP_UP_SLOTS), row_pages))
+        for c, f in zip(committed, floor, strict=True)
+    ]
+    target = topped if sum(topped) - sum(allocated) <= free_slots() else floor
+    return DecodeAllocation(list(allocated), target, sum(target) - sum(allocated))
 
 
 @dataclass
@@ -87,7 +134,9 @@ class BastionDraftInput(SpecInput):
         )
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
-        """Reserve KV slots for the next step: allocated length >= committed + `reserve` per request.
+        """Reserve KV slots for the next step: allocated length >= committed + `reserve` per request
+        (`decode_allocation`: when some request falls short, the batch is topped up past that, so a run of
+        one-token steps allocates once in `TOP_UP_SLOTS` steps instead of at every step).
 
         Sets batch.seq_lens_cpu / seq_lens_sum to the committed lengths the scheduler knows (host copies, no
         device sync). Under overlap scheduling those lag one step (the previous step's result is processed
@@ -98,25 +147,30 @@ class BastionDraftInput(SpecInput):
         if bs == 0:
             return
         sgl.maybe_evict_swa(batch)
-        page_size = batch.token_to_kv_pool_allocator.page_size
-        cur_lens, nxt_lens, needed = page_aligned_decode_alloc_lens(
-            batch.reqs, reserve=self.reserve, page_size=page_size
-        )
-        lens_cpu = torch.tensor([cur_lens, nxt_lens], dtype=torch.int32)  # [2, B]: current, then next
-        lens = lens_cpu.to(batch.device, non_blocking=True)  # one host-to-device copy for both
-        alloc_for_spec_decode(
-            batch.tree_cache,
-            batch.req_to_token_pool,
-            reqs=batch.reqs,
-            req_pool_indices=batch.req_pool_indices,
-            cur_kv_lens=lens[0],
-            cur_kv_lens_cpu=lens_cpu[0],
-            nxt_kv_lens=lens[1],
-            nxt_kv_lens_cpu=lens_cpu[1],
-            num_needed_tokens=needed,
-            batch=batch,
-        )
         committed = [sgl.committed_kv_len(req) for req in batch.reqs]
+        allocation = decode_allocation(
+            committed,
+            [sgl.allocated_kv_len(req) for req in batch.reqs],
+            reserve=self.reserve,
+            page_size=batch.token_to_kv_pool_allocator.page_size,
+            row_len=batch.req_to_token_pool.req_to_token.shape[1],
+            free_slots=lambda: sgl.free_kv_slots(batch),
+        )
+        if allocation is not None:
+            lens_cpu = torch.tensor([allocation.current, allocation.target], dtype=torch.int32)  # [2, B]
+            lens = lens_cpu.to(batch.device, non_blocking=True)  # one host-to-device copy for both
+            alloc_for_spec_decode(
+                batch.tree_cache,
+                batch.req_to_token_pool,
+                reqs=batch.reqs,
+                req_pool_indices=batch.req_pool_indices,
+                cur_kv_lens=lens[0],
+                cur_kv_lens_cpu=lens_cpu[0],
+                nxt_kv_lens=lens[1],
+                nxt_kv_lens_cpu=lens_cpu[1],
+                num_needed_tokens=allocation.needed,
+                batch=batch,
+            )
         sgl.count_decode_step(batch.reqs)
         batch.seq_lens_cpu = torch.tensor(committed, dtype=torch.int64)
         batch.seq_lens_sum = sum(committed)
