@@ -78,14 +78,15 @@ def _write_prompts(path: Path) -> Path:
 
 
 class EngineEvents(logging.Handler):
-    """Collects `bench.server`'s "engine ready" and "engine shut down" records, as (event, label)."""
+    """Collects `bench.server`'s "engine ready" and "engine shut down" records and `bench.run`'s "warmed up"
+    ones, as (event, label)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        for event in ("engine ready", "engine shut down"):
+        for event in ("engine ready", "warmed up", "engine shut down"):
             if event in record.getMessage():
                 self.events.append((event, str(record.args[0])))  # type: ignore[index]
 
@@ -111,14 +112,16 @@ def bench_run(
     ]  # fmt: skip
     stdout = root / "stdout.txt"
     events = EngineEvents()
-    server_logger = logging.getLogger("bastion_sglang.bench.server")
-    server_logger.addHandler(events)
-    server_logger.setLevel(logging.INFO)
+    loggers = [logging.getLogger(f"bastion_sglang.bench.{name}") for name in ("server", "run")]
+    for logger in loggers:
+        logger.addHandler(events)
+        logger.setLevel(logging.INFO)
     try:
         with stdout.open("w") as handle, contextlib.redirect_stdout(handle):
             status = cli.main(argv)
     finally:
-        server_logger.removeHandler(events)
+        for logger in loggers:
+            logger.removeHandler(events)
     assert status == 0
     report = BenchReport.model_validate_json((out / REPORT_NAME).read_text(encoding="utf-8"))
     assert report.settings.schedule == request.param
@@ -131,16 +134,16 @@ BenchRun = tuple[BenchReport, Path, str, list[tuple[str, str]]]
 @pytest.mark.slow
 def test_engines_run_one_at_a_time_or_all_together(bench_run: BenchRun) -> None:
     """Sequential: each Engine shuts down before the next starts. Interleaved: every Engine of a repeat starts
-    before any shuts down. In repeat order either way."""
+    before any shuts down, and they warm up once all are up. In repeat order either way."""
     report, _, _, events = bench_run
+    lifetime = ("engine ready", "warmed up", "engine shut down")
     expected = []
     for repeat, order in enumerate(report.repeat_orders, start=1):
         labels = [f"{name} (repeat {repeat})" for name in order]
         if report.settings.schedule == "sequential":
-            expected += [(event, label) for label in labels for event in ("engine ready", "engine shut down")]
+            expected += [(event, label) for label in labels for event in lifetime]
         else:
-            expected += [("engine ready", label) for label in labels]
-            expected += [("engine shut down", label) for label in labels]
+            expected += [(event, label) for event in lifetime for label in labels]
     assert events == expected
 
 
