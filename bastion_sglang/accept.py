@@ -5,10 +5,10 @@ row's own path (`kernels.apply_tree_penalties`), the grammar along the path (SGL
 request's logit_bias. The target's token after each row is then its argmax (T = 0) or its sample
 (`kernels.sample_tokens`) from the target's processed distribution (temperature, top-k, top-p, min-p exactly
 as SGLang's sampler filters them, `sglang_adapter.target_sampling_probs`) with uniforms hashed from the
-request's seed and the sequence position (`kernels.position_uniforms`: seeded output is batch-invariant), and
-`kernels.accept_paths` takes the longest path of draft nodes matching those tokens (the accept walk), its
-compaction order and the step's output rows. A step of width 1 (the roots alone) emits the target's token
-after each root: the argmax, or a sample with the same uniforms.
+request's seed and the sequence position (`kernels.keyed_uniforms` of the request's `kernels.seed_keys`:
+seeded output is batch-invariant), and `kernels.accept_paths` takes the longest path of draft nodes matching
+those tokens (the accept walk), its compaction order and the step's output rows. A step of width 1 (the roots
+alone) emits the target's token after each root: the argmax, or a sample with the same uniforms.
 """
 
 from __future__ import annotations
@@ -128,17 +128,17 @@ class Acceptor:
         batch: ScheduleBatch,
         logits: torch.Tensor,
         width: int,
-        seeds: torch.Tensor,
+        keys: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The target's distributions [B, W, V] after each row (`target_sampling_probs`) and the walk's
         uniforms [B, W] at `positions` [B, W] (the position of each row's next token); (None, None) when every
-        request is greedy. logits: [B * W, V] processed; seeds: [B] int64."""
+        request is greedy. logits: [B * W, V] processed; keys: [B] int64 walk keys (`kernels.seed_keys`)."""
         sampling_info = batch.sampling_info
         if sampling_info.is_all_greedy:
             return None, None
         probs = target_sampling_probs(logits, sampling_info, width, self._sampling_backend)
-        return probs, kernels.position_uniforms(seeds, positions)
+        return probs, kernels.keyed_uniforms(keys, positions)
 
     def root_targets(
         self,
@@ -146,24 +146,25 @@ class Acceptor:
         logits: torch.Tensor,
         rows: RowLogits,
         contexts: list[int],
-        seeds: torch.Tensor,
+        keys: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> RootTargets:
         """The target's token after each root of a width-1 step, recorded as the step's output. logits:
-        [B, V] the roots' logits (processed here, in place); seeds: [B]; seq_lens: [B] L_b + 1, the position
-        of each target token. A greedy batch with no logit processing issues one op (the argmax)."""
+        [B, V] the roots' logits (processed here, in place); keys: [B] walk keys; seq_lens: [B] L_b + 1, the
+        position of each target token. A greedy batch with no logit processing issues one op (the argmax)."""
         self.process_logits(batch, logits, rows, contexts)
-        targets = self.draw(batch, logits, seeds, seq_lens)
+        targets = self.draw(batch, logits, keys, seq_lens)
         self.recent_outputs.record(batch.reqs, targets.tokens[:, None], targets.commit_lens)
         return targets
 
     def draw(
-        self, batch: ScheduleBatch, logits: torch.Tensor, seeds: torch.Tensor, seq_lens: torch.Tensor
+        self, batch: ScheduleBatch, logits: torch.Tensor, keys: torch.Tensor, seq_lens: torch.Tensor
     ) -> RootTargets:
         """The target's token of each request from its processed logits [B, V] (read only): the argmax, or
-        the sample at its position's uniform. seeds: [B] int64; seq_lens: [B] the position of each token."""
+        the sample at its position's uniform. keys: [B] int64 walk keys; seq_lens: [B] the position of each
+        token."""
         ones = self.one_each(logits.shape[0], logits.device)
-        probs, uniforms = self.sampling_inputs(batch, logits, 1, seeds, seq_lens[:, None])
+        probs, uniforms = self.sampling_inputs(batch, logits, 1, keys, seq_lens[:, None])
         if probs is None:
             return RootTargets(torch.argmax(logits, dim=-1), None, ones)
         return RootTargets(kernels.sample_tokens(probs[:, 0], uniforms[:, 0]), probs, ones)
@@ -175,13 +176,14 @@ class Acceptor:
         rows: kernels.TreeBatch,
         row_logits: RowLogits,
         contexts: list[int],
-        seeds: torch.Tensor,
+        keys: torch.Tensor,
         prefix: torch.Tensor,
     ) -> TreeAccept:
         """The accept walk over verify rows [B, W] (W > 1): the accepted path and bonus of each request,
-        recorded as the step's output. logits: [B * W, V] of the rows (processed here, in place); seeds: [B];
-        prefix: [B] committed lengths. After the logit processing its ops are fixed by (B, W) and whether any
-        request samples (`kernels.accept_paths` on the argmax or on `kernels.sample_tokens`); no host sync."""
+        recorded as the step's output. logits: [B * W, V] of the rows (processed here, in place); keys: [B]
+        walk keys; prefix: [B] committed lengths. After the logit processing its ops are fixed by (B, W) and
+        whether any request samples (`kernels.accept_paths` on the argmax or on `kernels.sample_tokens`); no
+        host sync."""
         bs, width = rows.tokens.shape
         ancestors = row_logits.ancestors
         if ancestors is None:
@@ -192,7 +194,7 @@ class Acceptor:
             target_tokens = torch.argmax(logits.view(bs, width, -1), dim=-1)
         else:
             positions = prefix[:, None] + 1 + rows.depths  # [B, W] the position of each row's next token
-            probs, uniforms = self.sampling_inputs(batch, logits, width, seeds, positions)
+            probs, uniforms = self.sampling_inputs(batch, logits, width, keys, positions)
             samples = kernels.sample_tokens(probs.reshape(bs * width, -1), uniforms.reshape(-1))
             target_tokens = samples.view(bs, width)
         paths = kernels.accept_paths(rows, ancestors, target_tokens)

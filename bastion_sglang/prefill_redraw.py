@@ -52,8 +52,8 @@ class PrefillRedraw:
         self._runner = runner
 
     @contextmanager
-    def around(self, batch: ScheduleBatch, seeds: torch.Tensor) -> Iterator[None]:
-        """Within this block a prefill of `batch` (seeds: [B] int64, the walk seeds of its requests) emits
+    def around(self, batch: ScheduleBatch, keys: torch.Tensor) -> Iterator[None]:
+        """Within this block a prefill of `batch` (keys: [B] int64, the walk keys of its requests) emits
         BASTION's token for every row `redrawn_rows` names; a batch with none runs untouched."""
         rows = redrawn_rows(batch)
         if not rows:
@@ -65,7 +65,7 @@ class PrefillRedraw:
         def redrawing_sample(logits_output: Any, forward_batch: Any) -> torch.Tensor:
             raw = logits_output.next_token_logits[:, : self._acceptor.vocab_size].clone()
             token_ids = sample(logits_output, forward_batch)
-            return self._redraw(batch, rows, seeds, raw, token_ids, logits_output)
+            return self._redraw(batch, rows, keys, raw, token_ids, logits_output)
 
         own = vars(runner).get("sample")  # an instance attribute to restore, if the runner had one
         runner.sample = redrawing_sample
@@ -81,13 +81,13 @@ class PrefillRedraw:
         self,
         batch: ScheduleBatch,
         rows: list[int],
-        seeds: torch.Tensor,
+        keys: torch.Tensor,
         logits: torch.Tensor,
         token_ids: torch.Tensor,
         logits_output: Any,
     ) -> torch.Tensor:
-        """token_ids [B] (SGLang's) with `rows` redrawn; seeds: [B] int64; logits: [B, V] raw, processed
-        here in place."""
+        """token_ids [B] (SGLang's) with `rows` redrawn; keys: [B] int64 walk keys; logits: [B, V] raw,
+        processed here in place."""
         acceptor = self._acceptor
         reqs: list[Req] = batch.reqs
         last_tokens = [(req.output_ids or req.origin_input_ids)[-1] for req in reqs]
@@ -101,7 +101,7 @@ class PrefillRedraw:
             sampling_info.grammar_mask.apply(logits)
             sampling_info.grammar_mask = None
         positions = torch.tensor(contexts, dtype=torch.int64).to(logits.device) + 1
-        drawn = acceptor.draw(batch, logits, seeds, positions).tokens
+        drawn = acceptor.draw(batch, logits, keys, positions).tokens
         index = torch.tensor(rows, dtype=torch.int64).to(logits.device)
         token_ids = token_ids.clone()
         token_ids[index] = drawn[index].to(token_ids.dtype)

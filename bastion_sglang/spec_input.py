@@ -101,13 +101,15 @@ class BastionDraftInput(SpecInput):
     `reserve` is the KV headroom each decode step keeps allocated beyond the committed prefix: twice the
     larger of the verify width cap and the drafter block, so a step's draft block and verify window always
     find their slots (`prepare_for_decode`). The sampling walk's uniforms are a hash of the request's seed and
-    the sequence position (`kernels.position_uniforms`), so a seeded request samples the same tokens
-    whatever batch it shares and whatever trees the controller chooses.
+    the sequence position (`kernels.position_uniforms`; each request's seed is hashed once, into its
+    `seed_keys`), so a seeded request samples the same tokens whatever batch it shares and whatever trees the
+    controller chooses.
     """
 
     bonus_tokens: torch.Tensor  # [B] int64: root token of the next tree (committed, KV not written)
     new_seq_lens: torch.Tensor  # [B] int64: committed tokens with KV after the step that made this input
-    seeds: torch.Tensor  # [B] int64: sampling seed per request (its sampling_seed, else drawn)
+    # [B] int64: `kernels.seed_keys` of each request's walk seed (its sampling_seed, else drawn)
+    seed_keys: torch.Tensor
     reserve: int  # KV slots kept allocated past the committed prefix, per request
     # [B] int64 req_pool indices of the future map's rows (overlap scheduler only; set by SGLang)
     future_indices: torch.Tensor | None = None
@@ -129,7 +131,7 @@ class BastionDraftInput(SpecInput):
         return cls(
             bonus_tokens=torch.empty((0,), dtype=torch.int64, device=device),
             new_seq_lens=torch.empty((0,), dtype=torch.int64, device=device),
-            seeds=torch.empty((0,), dtype=torch.int64, device=device),
+            seed_keys=torch.empty((0,), dtype=torch.int64, device=device),
             reserve=reserve,
         )
 
@@ -179,7 +181,7 @@ class BastionDraftInput(SpecInput):
         """Keep the rows `new_indices` (device; `new_indices_cpu`, its host copy, is not needed) in order."""
         self.bonus_tokens = self.bonus_tokens[new_indices]
         self.new_seq_lens = self.new_seq_lens[new_indices]
-        self.seeds = self.seeds[new_indices]
+        self.seed_keys = self.seed_keys[new_indices]
         if self.future_indices is not None:
             self.future_indices = self.future_indices[new_indices]
 
@@ -193,7 +195,7 @@ class BastionDraftInput(SpecInput):
             raise ValueError("merging a draft input with future-map indices and one without")
         self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
         self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
-        self.seeds = torch.cat([self.seeds, other.seeds])
+        self.seed_keys = torch.cat([self.seed_keys, other.seed_keys])
         if self.future_indices is not None and other.future_indices is not None:
             self.future_indices = torch.cat([self.future_indices, other.future_indices])
 

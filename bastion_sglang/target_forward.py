@@ -32,7 +32,7 @@ class DecodeInputs:
 
     batch: ScheduleBatch
     roots: torch.Tensor  # [B] int64 bonus tokens, the trees' roots
-    seeds: torch.Tensor  # [B] int64 the requests' walk seeds
+    seed_keys: torch.Tensor  # [B] int64 the requests' walk keys (`kernels.seed_keys`)
     prefix: torch.Tensor  # [B] int64 committed tokens with KV
     # [B] host copy: set by prepare_for_decode, or under overlap scheduling copied from the future map after
     # the previous step's publish (`FutureMap.resolve_seq_lens_cpu` waits for it: exact)

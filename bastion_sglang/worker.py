@@ -195,7 +195,8 @@ class BastionWorker(DFlashWorkerV2):
             seeds = torch.tensor(
                 [self._seed_for(req) for req in batch.reqs], dtype=torch.int64, device=self.device
             )
-            with self._prefill_redraw.around(batch, seeds):  # a retracted request's token is BASTION's
+            keys = kernels.seed_keys(seeds)  # hashed once per request; a step hashes only its positions
+            with self._prefill_redraw.around(batch, keys):  # a retracted request's token is BASTION's
                 result = super().forward_batch_generation(
                     batch, on_publish, grammar_barrier, pp_proxy_tensors
                 )
@@ -207,7 +208,7 @@ class BastionWorker(DFlashWorkerV2):
             result.next_draft_input = BastionDraftInput(
                 bonus_tokens=prefill_tokens,
                 new_seq_lens=batch.seq_lens.to(torch.int64),
-                seeds=seeds,
+                seed_keys=keys,
                 reserve=self._reserve,
             )
             return result
@@ -230,7 +231,7 @@ class BastionWorker(DFlashWorkerV2):
         step_inputs = DecodeInputs(
             batch=batch,
             roots=draft_input.bonus_tokens,
-            seeds=draft_input.seeds,
+            seed_keys=draft_input.seed_keys,
             prefix=batch.seq_lens.to(torch.int64),
             prefix_cpu=batch.seq_lens_cpu,
             rows_index=batch.req_pool_indices.to(torch.int64)[:, None],
@@ -309,7 +310,7 @@ class BastionWorker(DFlashWorkerV2):
             logits = logits.contiguous()  # [B, V]: the in-place adjustments land in the tensor sampled
             row_logits = RowLogits(inputs.roots[:, None], None, grammar_tree, inputs.grammar_barrier)
             root_targets = self._acceptor.root_targets(
-                batch, logits, row_logits, step.contexts, inputs.seeds, new_seq_lens
+                batch, logits, row_logits, step.contexts, inputs.seed_keys, new_seq_lens
             )
             targets, commit_lens = root_targets.tokens, root_targets.commit_lens  # [B], [B] int32 ones
         if inputs.on_publish is not None:
@@ -348,7 +349,7 @@ class BastionWorker(DFlashWorkerV2):
             ancestors = tree_pass.verify.layout.ancestor_mask
             row_logits = RowLogits(rows.tokens, ancestors, tree_pass.grammar_tree, inputs.grammar_barrier)
             accept = self._acceptor.walk(
-                batch, logits, rows, row_logits, step.contexts, inputs.seeds, inputs.prefix
+                batch, logits, rows, row_logits, step.contexts, inputs.seed_keys, inputs.prefix
             )
             new_seq_lens = inputs.prefix + accept.commit_counts
         if inputs.on_publish is not None:
@@ -393,7 +394,7 @@ class BastionWorker(DFlashWorkerV2):
     ) -> GenerationBatchResult:
         """What a decode step hands the scheduler: out_tokens [B, W] (the first commit_lens [B] int32 of each
         row are emitted), the next roots bonus_tokens [B], the committed lengths new_seq_lens [B], the
-        requests' walk seeds (carried on)."""
+        requests' walk keys (carried on)."""
         width = int(out_tokens.shape[1])
         return GenerationBatchResult(
             logits_output=target_out.logits_output,
@@ -403,7 +404,7 @@ class BastionWorker(DFlashWorkerV2):
             next_draft_input=BastionDraftInput(
                 bonus_tokens=bonus_tokens,
                 new_seq_lens=new_seq_lens,
-                seeds=inputs.seeds,
+                seed_keys=inputs.seed_keys,
                 reserve=self._reserve,
             ),
             speculative_num_draft_tokens=width,

@@ -8,7 +8,8 @@ on that path, so importing this package never needs a GPU driver.
 
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
 `build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify -> the SGLang worker's
-`accept_paths` on the target's argmax or `sample_tokens` (uniforms from `position_uniforms`): the accepted
+`accept_paths` on the target's argmax or `sample_tokens` (uniforms from `keyed_uniforms` of each request's
+`seed_keys`, i.e. `position_uniforms`): the accepted
 paths, their compaction order and output rows in one op of fixed shape (it permutes KV slots by that order
 with pages of one token, and copies the slots of `window_kv_moves` with larger pages); the reference engine's
 `accept_greedy` / `accept_sampling` -> `accepted_kv_moves` -> `apply_kv_moves` (it copies KV rows).
@@ -64,10 +65,12 @@ __all__ = [
     "filter_rule",
     "flat_custom_mask",
     "flatten_trees",
+    "keyed_uniforms",
     "position_uniforms",
     "processed_probs",
     "root_rows",
     "sample_tokens",
+    "seed_keys",
     "topk_logprobs",
     "tree_attention",
     "uses_triton",
@@ -217,14 +220,29 @@ def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     one node per depth, so the tokens it emits use distinct positions' independent uniforms, and the
     token emitted at a position is the inverse-CDF sample of the target's distribution there with that
     position's uniform: the same whatever tree, budget or batch produced it (seeded runs are
-    batch-invariant). Plain elementwise torch on every device.
+    batch-invariant). Plain elementwise torch on every device. Equal to `keyed_uniforms` of
+    `seed_keys(seeds)`, the form a decode step uses (its requests' keys are hashed once, at prefill).
     """
     checks.check_position_uniforms(seeds, positions)
     return reference.position_uniforms(seeds, positions)
 
 
+def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the walk key of each request's seed (seeds: [B] int64), the first half of
+    `position_uniforms`' hash, so that a step hashes only its positions (`keyed_uniforms`)."""
+    checks.check_seeds(seeds)
+    return reference.seed_keys(seeds)
+
+
+def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`position_uniforms` from the requests' `seed_keys`: keys [B] int64, positions [B, W] int64; returns
+    [B, W] float32 in [0, 1), bit for bit `position_uniforms(seeds, positions)`."""
+    checks.check_position_uniforms(keys, positions, "keys")
+    return reference.keyed_uniforms(keys, positions)
+
+
 def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: per row, the smallest token whose cumulative probability exceeds u·total.
+    """Inverse-CDF sampling: per row, the first positive token whose cumulative probability exceeds u·total.
 
     probs: [M, V] non-negative weights (rows need not be normalised but need positive mass).
     uniforms: [M] in [0, 1). Returns [M] int64. A token of zero probability is never returned. A pure

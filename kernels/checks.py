@@ -162,17 +162,22 @@ def check_accept_greedy(trees: TreeBatch, target_logits: torch.Tensor) -> None:
     _require_device("target_logits", target_logits, trees.tokens.device)
 
 
-def check_position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> None:
-    """seeds [B] int64; positions [B, W] int64, same device."""
-    _require_tensor("seeds", seeds)
-    _require_int64("seeds", seeds, "[B]", 1)
+def check_position_uniforms(seeds: torch.Tensor, positions: torch.Tensor, name: str = "seeds") -> None:
+    """seeds [B] int64 (called `name`: seeds or keys); positions [B, W] int64, same device."""
+    check_seeds(seeds, name)
     _require_tensor("positions", positions)
     _require_int64("positions", positions, "[B, W]", 2)
     if positions.shape[0] != seeds.shape[0]:
         raise ValueError(
-            f"positions must be [B, W] with B = {seeds.shape[0]} (seeds), got {_shape(positions)}"
+            f"positions must be [B, W] with B = {seeds.shape[0]} ({name}), got {_shape(positions)}"
         )
     _require_device("positions", positions, seeds.device)
+
+
+def check_seeds(seeds: torch.Tensor, name: str = "seeds") -> None:
+    """seeds [B] int64 (called `name`)."""
+    _require_tensor(name, seeds)
+    _require_int64(name, seeds, "[B]", 1)
 
 
 def check_sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> None:

@@ -325,16 +325,30 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right_logical(x, 31)
 
 
+def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each seed's walk key, splitmix64 of seed + the golden gamma (a bijection of the words)."""
+    return _mix64(seeds + _GOLDEN_GAMMA)
+
+
+def keyed_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, W] float32 multiples of 2^-24 in [0, 1): the top 24 bits of splitmix64(keys[b] ^ positions[b, j]).
+
+    keys: [B] int64 (`seed_keys`); positions: [B, W] int64 (any values).
+    """
+    keyed = _mix64(keys[:, None] ^ positions)
+    return _shift_right_logical(keyed, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
 def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Counter-based uniforms: u[b, j] = hash(seeds[b], positions[b, j]) in [0, 1), float32.
 
     seeds: [B] int64. positions: [B, W] int64 (any values). Returns [B, W] float32 multiples of 2^-24.
-    splitmix64 of the seed, xor the position, splitmix64 again; the top 24 bits are the uniform. For one
-    seed, distinct positions hash distinct words (both steps are bijections), so a stream never repeats
-    a draw; equal (seed, position) give equal uniforms on every device and in every batch.
+    splitmix64 of the seed, xor the position, splitmix64 again; the top 24 bits are the uniform
+    (`keyed_uniforms` of `seed_keys`). For one seed, distinct positions hash distinct words (both steps are
+    bijections), so a stream never repeats a draw; equal (seed, position) give equal uniforms on every
+    device and in every batch.
     """
-    keyed = _mix64(_mix64(seeds + _GOLDEN_GAMMA)[:, None] ^ positions)
-    return _shift_right_logical(keyed, 40).to(torch.float32) * (1.0 / (1 << 24))
+    return keyed_uniforms(seed_keys(seeds), positions)
 
 
 def tree_attention(

@@ -71,11 +71,11 @@ def walk_once(batch: int, width: int, greedy: bool, seed: int, follow: bool) -> 
     acceptor = Acceptor(VOCAB, "pytorch")
     fake = fake_batch(batch, greedy)
     logits = target_logits(rows, follow, seed)
-    seeds = torch.arange(batch, dtype=torch.int64) + seed
+    keys = kernels.seed_keys(torch.arange(batch, dtype=torch.int64) + seed)
     prefix = torch.full((batch,), 5, dtype=torch.int64)
     results = []
     step = counted(
-        lambda: results.append(acceptor.walk(fake, logits, rows, row_logits, [5] * batch, seeds, prefix))
+        lambda: results.append(acceptor.walk(fake, logits, rows, row_logits, [5] * batch, keys, prefix))
     )
     return step, results[0]
 

@@ -19,8 +19,10 @@ from bastion_sglang.kernels import (
     accept_greedy,
     accept_roots,
     accept_sampling,
+    keyed_uniforms,
     position_uniforms,
     sample_tokens,
+    seed_keys,
 )
 from bastion_sglang.kernels.reference import positive_running_max, search_cdf
 
@@ -164,6 +166,8 @@ def test_position_uniforms_equal_exact_integer_hash():
     assert out.dtype == torch.float32 and out.shape == (len(seeds), 8)
     expected = [[exact_uniform(s, p) for p in row] for s, row in zip(seeds, positions, strict=True)]
     assert out.tolist() == expected
+    keyed = keyed_uniforms(seed_keys(torch.tensor(seeds)), torch.tensor(positions))  # a decode step's form
+    assert keyed.tolist() == expected
 
 
 def test_position_uniforms_are_uniform_and_adjacent_positions_independent():
@@ -202,6 +206,22 @@ def test_position_uniforms_reject_bad_inputs():
         position_uniforms(seeds, positions[:1])
     with pytest.raises(ValueError, match="positions must be int64"):
         position_uniforms(seeds, positions.float())
+    with pytest.raises(ValueError, match="seeds must be int64"):
+        seed_keys(seeds.int())
+    with pytest.raises(ValueError, match=r"positions must be \[B, W\] with B = 2 \(keys\)"):
+        keyed_uniforms(seeds, positions[:1])
+
+
+def test_a_step_with_keys_skips_the_seeds_hash():
+    """A decode step hashes its positions only: `keyed_uniforms` issues `position_uniforms`' ops less those
+    of `seed_keys` (hashed once per request, at prefill)."""
+    seeds, positions = torch.tensor([3, 4]), torch.tensor([[10], [20]])
+    keys = seed_keys(seeds)
+    from_seeds = counted(lambda: position_uniforms(seeds, positions)).ops
+    hashing_seeds = counted(lambda: seed_keys(seeds)).ops
+    from_keys = counted(lambda: keyed_uniforms(keys, positions)).ops
+    assert hashing_seeds >= 10
+    assert from_keys == from_seeds - hashing_seeds
 
 
 # ---------------------------------------------------------------- accept_sampling: losslessness

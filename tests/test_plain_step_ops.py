@@ -85,7 +85,7 @@ def step_of(seed: int, greedy: bool) -> tuple[DecodeInputs, Any, Any]:
     inputs = DecodeInputs(
         batch=fake_batch(greedy),
         roots=torch.randint(0, VOCAB, (BATCH,), generator=gen),
-        seeds=torch.randint(0, 2**40, (BATCH,), generator=gen),
+        seed_keys=torch.randint(0, 2**40, (BATCH,), generator=gen),
         prefix=prefix,
         prefix_cpu=prefix.clone(),
         rows_index=torch.randperm(BATCH, generator=gen)[:, None],

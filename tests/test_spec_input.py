@@ -13,19 +13,19 @@ RESERVE = 34
 
 
 def draft_input(rows: list[int], future: bool) -> BastionDraftInput:
-    """One row per value v of `rows`: bonus v, seq len 10 v, seed -v, future index v."""
+    """One row per value v of `rows`: bonus v, seq len 10 v, seed key -v, future index v."""
     values = torch.tensor(rows, dtype=torch.int64)
     return BastionDraftInput(
         bonus_tokens=values.clone(),
         new_seq_lens=values * 10,
-        seeds=-values,
+        seed_keys=-values,
         reserve=RESERVE,
         future_indices=values.clone() if future else None,
     )
 
 
 def columns(info: BastionDraftInput) -> list[list[int]]:
-    fields = [info.bonus_tokens, info.new_seq_lens // 10, -info.seeds]
+    fields = [info.bonus_tokens, info.new_seq_lens // 10, -info.seed_keys]
     if info.future_indices is not None:
         fields.append(info.future_indices)
     return [field.tolist() for field in fields]
