@@ -9,10 +9,10 @@ on that path, so importing this package never needs a GPU driver.
 Step order: `topk_logprobs` (drafter) -> controller builds trees -> `flatten_trees` ->
 `build_verify_layout` -> `flat_custom_mask` (SGLang triton backend) -> target verify -> the SGLang worker's
 `accept_paths` on the target's argmax or `sample_tokens` (uniforms from `keyed_uniforms` of each request's
-`seed_keys`, i.e. `position_uniforms`): the accepted
-paths, their compaction order and output rows in one op of fixed shape (it permutes KV slots by that order
-with pages of one token, and copies the slots of `window_kv_moves` with larger pages); the reference engine's
-`accept_greedy` / `accept_sampling` -> `accepted_kv_moves` -> `apply_kv_moves` (it copies KV rows).
+`seed_keys`, i.e. `position_uniforms`): the accepted paths, their compaction order and output rows in one op
+of fixed shape (it permutes KV slots by that order with pages of one token, and copies the slots of
+`window_kv_moves` with larger pages); the reference engine's `accept_greedy` / `accept_sampling` ->
+`accepted_kv_moves` -> `apply_kv_moves` (it copies KV rows).
 `compaction_order` and `committed_tokens` compute `accept_paths`' order and rows from an `accept_walk`.
 """
 
