@@ -276,7 +276,7 @@ class StepController:
     def draft_horizon(self, step: StepStart, decides: bool) -> int:
         """Positions the drafter's LM head scores this step; 0: skip the drafter. decides: whether this rank
         runs the gate (the leader under TP; other ranks take its horizon). Policies that never decline
-        always draft."""
+        always draft; a probe of the gate scores every position (`DraftHorizon.open`)."""
         if self.policy.may_decline and decides:
             curve = self.evidence.curve_for(step.requests)
             contexts, costs = step.contexts, step.costs
@@ -285,6 +285,8 @@ class StepController:
             )
             if not self.gate.should_draft(ceiling, self.pay_bound(step)):
                 return 0
+            if self.gate.probing:
+                self.horizon.open()
         return self.horizon.horizon
 
     def pay_bound(self, step: StepStart) -> SpeculationCeiling | None:

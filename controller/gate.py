@@ -25,7 +25,9 @@ the ceiling is not asked: each step's own plan decides, and for the batch the la
 ceiling would only repeat that plan's speculative speedup. Where the draft horizon held the trees back (h < D,
 `controller.horizon`), the curve is raised to what nodes below the horizon could add (`horizon_gain`,
 `reachable_accept`): after a decline the horizon is two positions, and a curve capped at depth 2 kept the gate
-closed for 50 steps on text the drafter predicted 15 tokens deep.
+closed for 50 steps on text the drafter predicted 15 tokens deep. A probe itself scores every position
+(`probing`, `DraftHorizon.open`), so the curve it leaves needs no raise: raised from two positions, such
+curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans read 0.6 to 0.8.
 
 A refresh probe only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes
 plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps.
@@ -161,6 +163,12 @@ class SpeculationGate:
         backoff probe. False for a refresh probe (it decodes plainly unless the fresh plan pays) and while
         speculating (the plan decides)."""
         return self.skipping and not self._refreshing
+
+    @property
+    def probing(self) -> bool:
+        """Whether the step the gate just let draft is a probe (backoff or refresh), not a step of steady
+        speculation: the drafter then scores every position (`DraftHorizon.open`)."""
+        return self.skipping or self._refreshing
 
     @property
     def skipping(self) -> bool:

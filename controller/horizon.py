@@ -12,7 +12,12 @@ the planner chose (`DraftHorizon.observe`, with d the deepest planned node of th
 - d = h: the plan used the last scored position and may have wanted deeper ones; h doubles (at most D).
   While h < D the speculation gate bounds what deeper nodes would add (`controller.gate.horizon_gain`).
 It starts at `start` (at most D): a first pass on easy text binds and reaches D within two more passes
-(4, 8, 15), and a first pass where speculation does not pay costs a quarter of the head. The trees are the
+(4, 8, 15), and a first pass where speculation does not pay costs a quarter of the head. A probe of the
+speculation gate (a step that drafts while the gate backs off, `controller.gate`) scores every position
+(`open`): it is there to learn what the text allows, and a probe planned within two positions (the horizon
+after a decline) left the gate to bound the deeper nodes, so loosely that on the 2-core CPU demo pair at
+concurrency 1 the ceiling read 1.1 to 1.6 where the probes' own plans read 0.6 to 0.8, and every new request
+paid a failed probe. The trees are the
 best trees within the horizon, so a step after a sudden rise in depth plans a shallower tree than it could
 have, once, before the horizon doubles.
 
@@ -56,6 +61,10 @@ class DraftHorizon:
     def horizon(self) -> int:
         """h: drafted positions the next pass scores, 1..D."""
         return self._horizon
+
+    def open(self) -> None:
+        """The next pass is a probe: it scores all D positions (`observe` then follows its plan)."""
+        self._horizon = self.depth
 
     def observe(self, deepest: int) -> None:
         """After a drafted step's plan: `deepest`, the depth of its deepest planned node (0: plain plan)."""

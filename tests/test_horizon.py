@@ -1,10 +1,18 @@
-"""DraftHorizon: the LM head scores as many drafted positions as recent trees used, doubling when bound."""
+"""DraftHorizon: the LM head scores as many drafted positions as recent trees used, doubling when bound; a
+probe of the speculation gate scores every position."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from bastion_sglang.controller import AdaptivePolicy
 from bastion_sglang.controller.horizon import DraftHorizon
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
+from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.step_controller import StepController
 
 
 def horizons(rule: DraftHorizon, deepest: list[int]) -> list[int]:
@@ -50,3 +58,46 @@ def test_a_plan_deeper_than_the_horizon_is_refused() -> None:
     rule = DraftHorizon(15)
     with pytest.raises(ValueError, match="within horizon 4 cannot reach depth 5"):
         rule.observe(5)
+
+
+def test_a_probe_opens_the_horizon_to_every_position() -> None:
+    rule = DraftHorizon(15)
+    rule.observe(0)
+    assert rule.horizon == 2
+    rule.open()
+    assert horizons(rule, [12, 0, 1]) == [15, 15, 2, 2]
+    rule.open()
+    assert horizons(rule, [15]) == [15, 15]
+
+
+def test_the_gates_probes_draft_every_position_and_steady_speculation_its_horizon() -> None:
+    """After a declined plan the horizon falls to two positions; the backoff's probe still drafts all 15, and
+    once a plan pays the steps draft at the horizon the plans leave."""
+    latency = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    controller = StepController(
+        latency=latency,
+        costs=StepCostTracker(),
+        policy=AdaptivePolicy(),
+        budget=64,
+        horizon=DraftHorizon(15),
+        acceptance=None,
+        branching=8,
+        device=torch.device("cpu"),
+        fixed_costs=StepCosts(t_draft=1e-3, t_aux=1e-4, l_ar=latency.predict_plain_batch([512])),
+    )
+
+    def next_drafted_horizon() -> int:
+        while True:
+            step = controller.begin([512], [True], ["r"])
+            horizon = controller.draft_horizon(step, decides=True)
+            if horizon:
+                return horizon
+
+    assert next_drafted_horizon() == 4  # the first step: the starting horizon
+    controller.gate.record(0.5)
+    controller.horizon.observe(0)
+    assert controller.horizon.horizon == 2
+    assert next_drafted_horizon() == 15  # the backoff's probe
+    controller.gate.record(1.2)  # it paid, with a tree three deep
+    controller.horizon.observe(3)
+    assert next_drafted_horizon() == 6
