@@ -716,7 +716,7 @@ class LatencyModel:
         if self._plain_memo is not None and self._plain_memo[0] == key:
             return self._plain_memo[1]
         fit = self.latency_fit
-        terms = self._roofline.pass_terms_batch([1] * len(contexts), contexts)
+        terms = self._roofline.plain_pass_terms(contexts)
         if fit.decode is None:
             seconds = fit.seconds(terms)
         else:
@@ -888,6 +888,8 @@ def _check_contexts(contexts: TokenCounts) -> list[int]:
     c_list = contexts.tolist() if isinstance(contexts, torch.Tensor) else list(contexts)
     if not c_list:
         raise ValueError("a plain decode step needs at least one request, got no contexts")
+    if all(type(c) is int and c >= 0 for c in c_list):  # the common case, without the ABC checks below
+        return c_list
     for c in c_list:
         if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
             raise ValueError(f"c (cached context tokens) must be an int >= 0, got {c!r}")

@@ -43,6 +43,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -469,6 +470,41 @@ class RooflineModel:
             / self.hw.peak_flops,
             kv_seconds=sum(self.kv_bytes(s_i, c_i) for s_i, c_i in pairs) / self.hw.bandwidth,
             attention_seconds=sum(self.attention_seconds(s_i, c_i) for s_i, c_i in pairs),
+        )
+
+    @cached_property
+    def _plain_counts(self) -> tuple[int, int, int, int, float, float]:
+        """What `plain_pass_terms` prices with, exact integers counted once: attention FLOPs per query-key
+        pair, KV elements per token, a one-token request's elements beside its KV, GEMM FLOPs per token;
+        the weight read in seconds and the GEMM ridge T*."""
+        fixed = self._request_elements(1, 0) - self._kv_elements(1, 0)
+        return (
+            self.attention_flops_per_pair(),
+            self.kv_elements_per_token(),
+            fixed,
+            self.gemm_flops_per_token(),
+            self.weight_bytes() / self.hw.bandwidth,
+            self.gemm_ridge_tokens(),
+        )
+
+    def plain_pass_terms(self, contexts: list[int]) -> PassTerms:
+        """`pass_terms_batch([1] * B, contexts)` of a plain decode step, the same values: contexts [B] cached
+        tokens per request, ints >= 0 the caller has checked. The counts are the same exact integers, in
+        closed form (a plain step is priced at every decode step)."""
+        pair, per_token, fixed, gemm_per_token, weight_seconds, ridge = self._plain_counts
+        bp, peak, bandwidth = self.bytes_per_element, self.hw.peak_flops, self.hw.bandwidth
+        flops = [float(pair * (c + 1)) for c in contexts]
+        kv = [per_token * (c + 2) for c in contexts]
+        tokens = len(contexts)
+        return PassTerms(
+            tokens=tokens,
+            gemm_seconds=max(float(tokens * gemm_per_token) / peak, weight_seconds),
+            narrow_tokens=min(float(tokens), ridge),
+            attention_compute_seconds=sum(flops) / peak,
+            kv_seconds=sum(float(bp * k) for k in kv) / bandwidth,
+            attention_seconds=sum(
+                max(f / peak, float(bp * (fixed + k)) / bandwidth) for f, k in zip(flops, kv, strict=True)
+            ),
         )
 
     # Eqs. (8) and (9) for a single request (exact integer arithmetic, then one rounding to float).

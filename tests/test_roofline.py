@@ -220,6 +220,20 @@ def test_pass_terms_batch_sums_attention_per_request_and_runs_gemms_over_all_tok
         qwen3_8b.gemm_flops(0)
 
 
+@pytest.mark.parametrize("bytes_per_element", [1, 2, 0.5625])
+def test_plain_pass_terms_equal_the_batch_terms_of_one_token_each(bytes_per_element: float) -> None:
+    """The closed form a plain decode step is priced with gives `pass_terms_batch`'s values bit for bit, for
+    integer and fractional bytes per element and contexts from none to a billion tokens."""
+    roofline = RooflineModel(ModelShape.from_hf_config(QWEN3_8B), H100, bytes_per_element=bytes_per_element)
+    generator = torch.Generator().manual_seed(11)
+    for batch in (1, 3, 8, 64):
+        for high in (10, 5000, 2_000_000):
+            contexts = torch.randint(0, high, (batch,), generator=generator).tolist()
+            assert roofline.plain_pass_terms(contexts) == roofline.pass_terms_batch([1] * batch, contexts)
+    long = [0, 10**9]
+    assert roofline.plain_pass_terms(long) == roofline.pass_terms_batch([1, 1], long)
+
+
 @pytest.mark.parametrize("c", [0, 64, 8192])
 def test_vectorised_parts_equal_scalar_parts(qwen3_8b: RooflineModel, c: int) -> None:
     widths = torch.tensor([1, 2, 3, 16, 17, 100, 512, 1024, 4096], dtype=torch.int64)
