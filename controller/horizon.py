@@ -16,10 +16,10 @@ It starts at `start` (at most D): a first pass on easy text binds and reaches D 
 speculation gate (a step that drafts while the gate backs off, `controller.gate`) scores every position
 (`open`): it is there to learn what the text allows, and a probe planned within two positions (the horizon
 after a decline) left the gate to bound the deeper nodes, so loosely that on the 2-core CPU demo pair at
-concurrency 1 the ceiling read 1.1 to 1.6 where the probes' own plans read 0.6 to 0.8, and every new request
-paid a failed probe. The trees are the
-best trees within the horizon, so a step after a sudden rise in depth plans a shallower tree than it could
-have, once, before the horizon doubles.
+concurrency 1 the ceiling read 1.1 to 1.6 where the probes' own plans read 0.6 to 0.8, and three requests
+in six paid a verified tree priced below plain decoding. The trees are the best trees within the horizon,
+so a step after a sudden rise in depth plans a shallower tree than it could have, once, before the horizon
+doubles.
 
 The rule is for policies that size the tree by its estimated speedup (adaptive, bucketed). A policy with a
 fixed size (fixed:N, chain) keeps all D positions (`DraftHorizon.full`): its trees are the best N nodes of the
