@@ -4,15 +4,9 @@ probe of the speculation gate scores every position."""
 from __future__ import annotations
 
 import pytest
-import torch
+from test_accept_bound import controller as step_controller
 
-from bastion_sglang.controller import AdaptivePolicy
 from bastion_sglang.controller.horizon import DraftHorizon
-from bastion_sglang.controller.latency import LatencyModel
-from bastion_sglang.controller.profile import StepCosts
-from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
-from bastion_sglang.controller.step_costs import StepCostTracker
-from bastion_sglang.step_controller import StepController
 
 
 def horizons(rule: DraftHorizon, deepest: list[int]) -> list[int]:
@@ -73,18 +67,7 @@ def test_a_probe_opens_the_horizon_to_every_position() -> None:
 def test_the_gates_probes_draft_every_position_and_steady_speculation_its_horizon() -> None:
     """After a declined plan the horizon falls to two positions; the backoff's probe still drafts all 15, and
     once a plan pays the steps draft at the horizon the plans leave."""
-    latency = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
-    controller = StepController(
-        latency=latency,
-        costs=StepCostTracker(),
-        policy=AdaptivePolicy(),
-        budget=64,
-        horizon=DraftHorizon(15),
-        acceptance=None,
-        branching=8,
-        device=torch.device("cpu"),
-        fixed_costs=StepCosts(t_draft=1e-3, t_aux=1e-4, l_ar=latency.predict_plain_batch([512])),
-    )
+    controller = step_controller(None, t_draft=1e-3)  # no calibration: no bound, the backoff decides
 
     def next_drafted_horizon() -> int:
         while True:
