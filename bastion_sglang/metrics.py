@@ -32,10 +32,9 @@ Writes are batched: a decode step's observations are held and written to the mul
 with those of the next steps, FLUSH_STEPS steps at a time, and at once before the output of a finished
 request leaves the scheduler (`flush_all`, from the registration's hook on SGLang's output streamer), so a
 client that has its response reads series that include it. A gauge is written once per flush, at its latest
-value. Written one step at a time, the dozen series of
-a skipped step cost 0.17 ms of host time per step on the CPU demo pair (0.7 % of a plain step); 16 steps
-at a time, 0.05 ms per step: prometheus_client's per-sample work runs several times faster in one tight
-loop than spread between forward passes.
+value. Written one step at a time, the dozen series of a skipped step cost 0.17 ms of host time per step on
+the CPU demo pair (0.7 % of a plain step); 16 steps at a time, 0.05 ms per step: prometheus_client's
+per-sample work runs several times faster in one tight loop than spread between forward passes.
 """
 
 from __future__ import annotations
