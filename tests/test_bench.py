@@ -12,6 +12,7 @@ stand-in Engine, and the argument errors.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang import cli
+from bastion_sglang.bench import cli as bench_cli
 from bastion_sglang.bench.aggregate import EstimateSummary, make_row, summarize, with_speedups
 from bastion_sglang.bench.histograms import (
     EXPECTED_METRIC,
@@ -43,11 +45,13 @@ from bastion_sglang.bench.histograms import (
 from bastion_sglang.bench.measure import Measured, TemperatureRun, repeat_measurement
 from bastion_sglang.bench.output import PLOT_NAME, REPORT_NAME, summary_line
 from bastion_sglang.bench.plan import (
+    CONTROL,
     DEFAULT_MAX_BUDGET,
     DEFAULT_POLICIES,
     BenchPolicy,
     named_sets,
     parse_policies,
+    plan_from_args,
     repeat_order,
 )
 from bastion_sglang.bench.report import BenchReport, BenchRow, RepeatMeasurement, Spread
@@ -306,6 +310,7 @@ def model_dirs(tmp_path: Path) -> tuple[Path, Path]:
         (["--temperatures", "0,hot"], "'hot' is not a number"),
         (["--prompts", "mtbench,humanevil"], "--prompts mtbench,humanevil: 'humanevil' is not one of"),
         (["--prompts", "mtbench,mtbench"], "--prompts mtbench,mtbench: a set is named twice"),
+        (["--policies", "chain", "--control"], "--control runs a second ar Engine beside ar"),
     ],
 )
 def test_argument_errors(
@@ -651,6 +656,33 @@ def test_best_in_hindsight_and_adaptive_ratios() -> None:
     assert (at_hot.best_policy, at_hot.adaptive_vs_best, at_hot.adaptive_vs_ar) == ("chain", None, None)
     assert at_hot.adaptive_vs_best_per_repeat is None and at_hot.adaptive_vs_ar_per_repeat is None
     assert summary_line(at_hot) == "T=0.7: best chain (12.0 tok/s)"
+
+
+def test_control_is_a_second_ar_engine_after_the_policies(tmp_path: Path) -> None:
+    target = make_tiny_target(tmp_path / "target", vocab_size=260)
+    prompts = _write_prompts(tmp_path / "prompts.jsonl")
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    base = ["--model-path", str(target), "--prompts", str(prompts), "--device", "cpu", "--policies", "ar"]
+    plan = plan_from_args(parser.parse_args([*base, "--control"]))
+    assert plan.policies == (BenchPolicy("ar", "ar"), CONTROL) and CONTROL.kind == "ar"
+    assert plan.settings.policies == ("ar", "ar-control")
+    assert plan_from_args(parser.parse_args(base)).policies == (BenchPolicy("ar", "ar"),)
+
+
+def test_the_control_gives_the_noise_floor_and_is_never_the_best() -> None:
+    """The control's per-repeat ratios to ar are reported as the run's noise floor; even when it is the
+    fastest Engine it is not the best policy in hindsight."""
+    ar = _repeated_row("ar", [10.0, 20.0, 5.0])
+    control = _repeated_row(CONTROL.name, [10.3, 19.8, 5.5])
+    adaptive = _repeated_row("adaptive", [9.9, 19.0, 5.0])
+    (summary,) = summarize([ar, control, adaptive], (0.0,))
+    assert summary.best_policy == "ar"
+    noise = summary.control_vs_ar_per_repeat
+    assert noise is not None and (noise.median, noise.min, noise.max) == pytest.approx((1.03, 0.99, 1.1))
+    assert summary_line(summary).endswith("; noise floor: ar-control 1.03x ar per repeat (0.99-1.10)")
+    (without,) = summarize([ar, adaptive], (0.0,))
+    assert without.control_vs_ar_per_repeat is None and "noise floor" not in summary_line(without)
 
 
 def _repeated_row(policy: str, decode_rates: list[float]) -> BenchRow:

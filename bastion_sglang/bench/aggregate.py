@@ -22,6 +22,7 @@ from bastion_sglang.bench.histograms import (
     WorkerTotals,
 )
 from bastion_sglang.bench.measure import TemperatureRun
+from bastion_sglang.bench.plan import CONTROL
 from bastion_sglang.bench.report import BenchRow, Spread, StageMs, TemperatureSummary
 
 
@@ -136,10 +137,10 @@ def paired_ratios(rates: Sequence[float] | None, baseline: Sequence[float] | Non
 
 def summarize_rates(temperature: float, rates: Mapping[str, Sequence[float]]) -> TemperatureSummary:
     """One temperature from each policy's decode tokens/s per repeat (the same repeats, in order): the best
-    policy in hindsight by median (the first listed on a tie), adaptive's median over the best's and ar's,
-    and its per-repeat ratios to them."""
+    policy in hindsight by median (the first listed on a tie; never the `--control` Engine), adaptive's median
+    over the best's and ar's, its per-repeat ratios to them, and the control's per-repeat ratios to ar."""
     medians = {policy: statistics.median(values) for policy, values in rates.items()}
-    best = max(medians, key=medians.__getitem__)
+    best = max((policy for policy in medians if policy != CONTROL.name), key=medians.__getitem__)
     adaptive = rates.get("adaptive")
     return TemperatureSummary(
         temperature=temperature,
@@ -149,6 +150,7 @@ def summarize_rates(temperature: float, rates: Mapping[str, Sequence[float]]) ->
         adaptive_vs_ar=ratio(medians.get("adaptive"), medians.get("ar")),
         adaptive_vs_best_per_repeat=paired_ratios(adaptive, rates[best]),
         adaptive_vs_ar_per_repeat=paired_ratios(adaptive, rates.get("ar")),
+        control_vs_ar_per_repeat=paired_ratios(rates.get(CONTROL.name), rates.get("ar")),
     )
 
 

@@ -73,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_POLICIES}",
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also run a second ar Engine (ar-control) in every repeat, measured like the others: its "
+        "per-repeat ratio to ar is the run's noise floor, how far a paired ratio moves with no difference "
+        "in code (needs ar in --policies; never the best in hindsight)",
+    )
+    parser.add_argument(
         "--repeats",
         type=positive_int,
         default=DEFAULT_REPEATS,

@@ -77,7 +77,8 @@ def _stage_table(rows: Sequence[BenchRow]) -> list[str]:
 
 def summary_line(summary: TemperatureSummary) -> str:
     """'T=0: best fixed:4 (16.1 tok/s); adaptive 0.97x best, 0.98x ar; per repeat 0.96x best (0.91-1.02),
-    0.97x ar (0.93-1.01)' (the adaptive parts when it ran)."""
+    0.97x ar (0.93-1.01); noise floor: ar-control 1.00x ar per repeat (0.98-1.03)' (the adaptive parts when it
+    ran, the noise floor with `--control`)."""
     rate = summary.best_decode_tokens_per_second
     line = f"T={summary.temperature:g}: best {summary.best_policy} ({rate:.1f} tok/s)"
     ratios = [
@@ -93,10 +94,15 @@ def summary_line(summary: TemperatureSummary) -> str:
         )
         if spread is not None
     ]
+    control = summary.control_vs_ar_per_repeat
+    noise = ""
+    if control is not None:
+        spread = f"({control.min:.2f}-{control.max:.2f})"
+        noise = f"; noise floor: ar-control {control.median:.2f}x ar per repeat {spread}"
     if not ratios:
-        return line
+        return line + noise
     per_repeat = f"; per repeat {', '.join(paired)}" if paired else ""
-    return f"{line}; adaptive {', '.join(ratios)}{per_repeat}"
+    return f"{line}; adaptive {', '.join(ratios)}{per_repeat}{noise}"
 
 
 def format_table(report: BenchReport) -> str:

@@ -56,6 +56,11 @@ class BenchPolicy:
     kind: PolicyKind
 
 
+CONTROL = BenchPolicy("ar-control", "ar")
+"""`--control`: a second `ar` Engine, run and measured like every policy. Its per-repeat ratio to `ar` is the
+run's noise floor: how far a paired ratio moves with no difference in code (an A/A comparison)."""
+
+
 def parse_policies(text: str, max_budget: int) -> tuple[BenchPolicy, ...]:
     """'ar,chain,fixed:64' -> BenchPolicy per name, in order; ValueError naming an unknown or repeated one."""
     names = [part.strip().lower() for part in text.split(",") if part.strip()]
@@ -180,6 +185,12 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if args.max_budget < 1:
         raise ValueError(f"--max-budget must be >= 1, got {args.max_budget}")
     policies = parse_policies(args.policies, args.max_budget)
+    if args.control:
+        if not any(policy.name == "ar" for policy in policies):
+            raise ValueError(
+                f"--control runs a second ar Engine beside ar: add ar to --policies {args.policies}"
+            )
+        policies = (*policies, CONTROL)
     temperatures = parse_temperatures(args.temperatures)
     for flag, value in (("--num-prompts", args.num_prompts), ("--concurrency", args.concurrency)):
         if value is not None and value < 1:

@@ -166,6 +166,11 @@ class TemperatureSummary(BaseModel):
     adaptive_vs_ar_per_repeat: Spread | None = Field(
         default=None, description="adaptive's decode tokens/s over ar's in each repeat; None: not run"
     )
+    control_vs_ar_per_repeat: Spread | None = Field(
+        default=None,
+        description="the --control Engine's decode tokens/s over ar's in each repeat, the run's noise floor; "
+        "None: no --control",
+    )
 
 
 class BenchReport(BaseModel):
