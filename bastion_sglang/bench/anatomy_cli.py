@@ -171,6 +171,7 @@ def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
         prompts=args.prompts,
         split=args.split,
         policies=args.policies,
+        control=False,
         repeats=1,
         device=args.device,
         concurrency=max(concurrencies),
