@@ -2,6 +2,7 @@
 
     python benchmarks/calibrate_gpu.py --out results/calibration [--repeats 10] [--scratch DIR]
     python benchmarks/calibrate_gpu.py --out /tmp/calibration-smoke --smoke      # tiny shapes on the CPU
+    python benchmarks/calibrate_gpu.py --make-drafter DIR --target-config tools/offline_gpu/models/qwen3-8b
 
 For machines with CUDA but without SGLang (the reference engine measures). Steps:
 1. a Qwen3-8B-shaped target with random bf16 weights, made on the device exactly as
@@ -14,6 +15,11 @@ For machines with CUDA but without SGLang (the reference engine measures). Steps
 3. errors.json (`CalibrationEvidence`): RMSE and MAPE of the bare roofline on the measured peaks and on the
    datasheet peaks, of the calibrated fit in sample, and the MAPE of fits with each whole width and each
    whole context left out, scored on what was left out (`validate_leave_out`).
+
+`--make-drafter DIR --target-config CONFIG_DIR` only saves the random drafter of step 1 for the target that
+CONFIG_DIR's config.json describes (on CUDA when there is one), for SGLang runs of a target without weights
+(`--load-format dummy`): `bastion calibrate`, `bastion bench` and `bastion step-anatomy` then measure the
+8B-shaped pair with SGLang's own loader, and only the drafter (about 2 GB in bf16) is written.
 """
 
 from __future__ import annotations
@@ -88,16 +94,11 @@ class CalibrationEvidence(BaseModel):
     plot: str
 
 
-def save_pair(folder: Path, device: torch.device, dtype: torch.dtype, smoke: bool) -> tuple[Path, Path]:
-    """Write the random target and drafter (module docstring) under `folder`; returns their folders."""
-    target = random_target(TINY if smoke else QWEN3_8B, device, dtype)
-    config = target.config
-    target_path = folder / "target"
-    target.save_pretrained(target_path)
-    del target
-    gc.collect()
-    layers = SMOKE_DRAFT_LAYERS if smoke else DRAFT_LAYERS
-    drafter_config = DrafterConfig(
+def drafter_config_for(config: transformers.PretrainedConfig, layers: int) -> DrafterConfig:
+    """The DFlash drafter of `layers` layers and a block of BLOCK_SIZE for a target of this config: the
+    target's attention and MLP shape, its vocabulary (mask token: the last id) and DFlash's default feature
+    layers (1, 9, 17, 25, 33 for Qwen3-8B's 36 layers with 5 draft layers)."""
+    return DrafterConfig(
         hidden_size=config.hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=config.num_attention_heads,
@@ -112,15 +113,46 @@ def save_pair(folder: Path, device: torch.device, dtype: torch.dtype, smoke: boo
         mask_token_id=config.vocab_size - 1,
         target_layer_ids=default_target_layer_ids(config.num_hidden_layers, layers),
     )
+
+
+def save_drafter(path: Path, config: DrafterConfig, device: torch.device, dtype: torch.dtype) -> Path:
+    """Write a DFlash drafter of `config` with random weights (seed 0) to the folder `path`; returns it."""
     torch.manual_seed(0)
     with torch.device(device):
-        drafter = DFlashDrafter(drafter_config).to(dtype)
-    draft_path = drafter.save_pretrained(folder / "draft")
+        drafter = DFlashDrafter(config).to(dtype)
+    saved = drafter.save_pretrained(path)
     del drafter
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return target_path, draft_path
+    return saved
+
+
+def save_pair(folder: Path, device: torch.device, dtype: torch.dtype, smoke: bool) -> tuple[Path, Path]:
+    """Write the random target and drafter (module docstring) under `folder`; returns their folders."""
+    target = random_target(TINY if smoke else QWEN3_8B, device, dtype)
+    config = target.config
+    target_path = folder / "target"
+    target.save_pretrained(target_path)
+    del target
+    gc.collect()
+    layers = SMOKE_DRAFT_LAYERS if smoke else DRAFT_LAYERS
+    return target_path, save_drafter(folder / "draft", drafter_config_for(config, layers), device, dtype)
+
+
+def make_drafter(path: Path, target_config: Path, layers: int) -> Path:
+    """Save the random drafter of `layers` layers for the target whose config.json is in the folder
+    `target_config`, in the target's declared dtype, built on CUDA when there is one; returns its folder.
+    ValueError naming the folder when it holds no readable config."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(target_config)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--target-config {target_config}: no readable config.json: {error}") from None
+    dtype = getattr(config, "dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return save_drafter(path, drafter_config_for(config, layers), device, dtype)
 
 
 def errors(
@@ -138,13 +170,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for profile.json/png and errors.json")
+    parser.add_argument("--out", type=Path, help="folder for profile.json/png and errors.json")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per grid point (median)")
     parser.add_argument(
         "--scratch", type=Path, help="folder for the random model files (default: a temp dir)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script")
+    parser.add_argument(
+        "--make-drafter",
+        type=Path,
+        metavar="DIR",
+        help="only save a random DFlash drafter (block 16) for the target of --target-config into DIR",
+    )
+    parser.add_argument(
+        "--target-config",
+        type=Path,
+        metavar="DIR",
+        help="with --make-drafter: the folder of the target's config.json",
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=DRAFT_LAYERS,
+        help=f"with --make-drafter: the drafter's layers (default {DRAFT_LAYERS}, as z-lab's "
+        "Qwen3-8B-DFlash-b16)",
+    )
     args = parser.parse_args(argv)
+    if args.make_drafter is not None:
+        if args.target_config is None:
+            parser.error("--make-drafter needs --target-config (the folder of the target's config.json)")
+        try:
+            saved = make_drafter(args.make_drafter, args.target_config, args.draft_layers)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"wrote the random drafter {saved} for the target {args.target_config}")
+        return 0
+    if args.out is None:
+        parser.error("--out is required (or --make-drafter DIR --target-config DIR)")
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU visible; use --smoke for a CPU check")

@@ -118,6 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", help="target dtype, e.g. bfloat16 (default: the config's dtype)")
     parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="SGLang --load-format of the target (--engine sglang): dummy gives it random weights from its "
+        "config.json alone, so a model's step costs are measured at its shape without its weights (the "
+        "profile's model config hash is the real model's); needs --no-acceptance. Default auto",
+    )
+    parser.add_argument(
         "--store", help="profile store folder (default: $BASTION_PROFILE_STORE or ~/.cache/...)"
     )
     parser.add_argument("--out", help="write the profile here instead of into the store (PNG next to it)")
@@ -203,6 +211,7 @@ class CalibrationPlan:
     out: Path | None  # the profile's path when given (--out), else None: a file of `store`
     store: ProfileStore | None  # where the profile goes without --out
     acceptance: AcceptanceSettings | None = None  # None: no acceptance calibration
+    load_format: str = "auto"  # SGLang's; dummy: random target weights (sglang engine only)
 
     @property
     def max_context(self) -> int:
@@ -232,6 +241,14 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
     else:
         dtype = config_dtype(args.model_path)
         logger.info("dtype: %s (declared by the target's config.json)", dtype_name(dtype))
+    if args.load_format != "auto":
+        if engine != "sglang":
+            raise ValueError(f"--load-format {args.load_format} needs --engine sglang (SGLang's loader)")
+        if not args.no_acceptance:
+            raise ValueError(
+                f"--load-format {args.load_format}: the acceptance calibration decodes real prompts with the "
+                "target's weights; add --no-acceptance"
+            )
     widths = check_widths(args.widths) if args.widths else width_grid(args.max_width)
     settings = SweepSettings(
         widths=widths, contexts=context_grid(args.max_context), warmup=args.warmup, repeats=args.repeats
@@ -258,6 +275,7 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
         out=out,
         store=None if out is not None else ProfileStore.locate(args.store),
         acceptance=acceptance,
+        load_format=args.load_format,
     )
 
 
@@ -282,9 +300,10 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
     shape = ModelShape.from_hf_config(config_file(plan.model_path))
     element_bytes = plan.dtype.itemsize
     logger.info(
-        "loading the %s engine: target %s, drafter %s (%s, %s attention)",
+        "loading the %s engine: target %s%s, drafter %s (%s, %s attention)",
         plan.engine,
         plan.model_path,
+        " (random weights: --load-format dummy)" if plan.load_format == "dummy" else "",
         plan.draft_model_path,
         dtype_name(plan.dtype),
         plan.attention_backend,
@@ -298,6 +317,7 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         attention_backend=plan.attention_backend,
         max_context=plan.max_context,
         max_width=settings.widths[-1],
+        load_format=plan.load_format,
     )
     logger.info(
         "verify grid: widths %s × contexts %s, %d warm-up and %d timed runs per point",

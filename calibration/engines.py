@@ -135,10 +135,14 @@ def open_engine(
     attention_backend: str,
     max_context: int,
     max_width: int,
+    load_format: str = "auto",
 ) -> MeasurementEngine:
     """Load the models of `engine` on `device`, sized for contexts up to max_context tokens and verify
-    passes up to max_width tokens."""
+    passes up to max_width tokens. load_format: SGLang's (`dummy`: the target's weights random, from its
+    config.json alone); the reference engine reads the weights (ValueError for any other value)."""
     if engine == "reference":
+        if load_format != "auto":
+            raise ValueError(f"--load-format {load_format} needs --engine sglang (SGLang's loader)")
         return ReferenceMeasurement(
             target_path,
             draft_path,
@@ -159,5 +163,6 @@ def open_engine(
             attention_backend=attention_backend,
             max_context=max_context,
             max_width=max_width,
+            load_format=load_format,
         )
     raise ValueError(f"unknown engine {engine!r}; expected 'reference' or 'sglang'")

@@ -44,10 +44,12 @@ def open_sglang_measurement(
     attention_backend: str,
     max_context: int,
     max_width: int,
+    load_format: str = "auto",
 ) -> SglangMeasurement:
     """Build the runtime of the module docstring (server arguments, process groups, the target's
     ModelRunner) in this process and measure on it. max_context, max_width: the grid's largest context
-    and widest verify pass (the KV pool holds both, the BastionConfig's N_max is max_width - 1)."""
+    and widest verify pass (the KV pool holds both, the BastionConfig's N_max is max_width - 1).
+    load_format: SGLang's --load-format (`dummy`: random target weights from its config.json alone)."""
     from bastion_sglang import sglang_adapter
 
     sglang_adapter.require(sglang_adapter.MEASUREMENT_INTERNALS)  # one error naming all that moved
@@ -84,6 +86,7 @@ def open_sglang_measurement(
         max_total_tokens=max_context + 2 * max_width + 1,  # context, verify window, one spare
         mem_fraction_static=CPU_MEM_FRACTION if device.type == "cpu" else None,
         random_seed=CONTEXT_SEED,
+        load_format=load_format,
     )
     attach_config(server_args, make_config(max_budget=budget, topk=min(DEFAULT_TOPK, budget)))
     server_args.resolve_once()  # runs BASTION's handle_server_args: ValueError names a bad setting

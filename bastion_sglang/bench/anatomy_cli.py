@@ -31,7 +31,12 @@ from bastion_sglang.bench.anatomy_report import (
     write_report,
 )
 from bastion_sglang.bench.anatomy_run import AnatomyPlan, run_anatomy
-from bastion_sglang.bench.plan import DEFAULT_MAX_BUDGET, plan_from_args
+from bastion_sglang.bench.plan import (
+    DEFAULT_MAX_BUDGET,
+    DEFAULT_PROMPTS,
+    add_model_arguments,
+    plan_from_args,
+)
 from bastion_sglang.config import STARTUP_MODES
 
 HELP = (
@@ -75,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-model-path", default=None, help="DFlash drafter (default: the committed demo drafter)"
     )
     parser.add_argument(
-        "--prompts", default="mtbench", help="a prompt set or JSONL file, as `bastion bench --prompts`"
+        "--prompts",
+        default=None,
+        help=f"a prompt set or JSONL file, as `bastion bench --prompts` (default {DEFAULT_PROMPTS})",
     )
     parser.add_argument("--split", choices=["heldout", "train", "all"], default=None, help="prompt split")
     parser.add_argument(
@@ -109,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--attention-backend", default=None, help="SGLang attention backend")
     parser.add_argument("--dtype", default="auto", help="SGLang --dtype")
+    add_model_arguments(parser)
     parser.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang setting")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool tokens")
     parser.add_argument(
@@ -184,6 +192,10 @@ def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
         schedule="sequential",
         attention_backend=args.attention_backend,
         dtype=args.dtype,
+        load_format=args.load_format,
+        random_prompts=args.random_prompts,
+        random_prompt_tokens=args.random_prompt_tokens,
+        bastion_profile=None,
         mem_fraction_static=args.mem_fraction_static,
         max_total_tokens=args.max_total_tokens,
         seed=0,
@@ -193,7 +205,7 @@ def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
     bench = plan_from_args(bench_args)
     if len(bench.prompt_ids) < max(concurrencies):
         raise ValueError(
-            f"--prompts {args.prompts}: {len(bench.prompt_ids)} prompts, fewer than --concurrency "
+            f"--prompts {bench.settings.prompts}: {len(bench.prompt_ids)} prompts, fewer than --concurrency "
             f"{max(concurrencies)}"
         )
     return AnatomyPlan(bench, concurrencies, args.startup_calibration, args.sites)
@@ -231,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         device=bench.device,
         attention_backend=bench.attention_backend,
         dtype=bench.dtype,
+        load_format=bench.load_format,
         overlap_schedule=False,
     )
     report = AnatomyReport(

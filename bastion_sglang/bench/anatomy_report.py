@@ -105,6 +105,7 @@ class AnatomySettings(BaseModel):
     device: str
     attention_backend: str
     dtype: str
+    load_format: str = Field(default="auto", description="dummy: the target's weights were random")
     overlap_schedule: bool = Field(description="False: each step's result is processed before the next step")
 
 

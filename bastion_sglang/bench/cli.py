@@ -23,8 +23,10 @@ from bastion_sglang.bench.output import format_table, write_outputs
 from bastion_sglang.bench.plan import (
     DEFAULT_MAX_BUDGET,
     DEFAULT_POLICIES,
+    DEFAULT_PROMPTS,
     DEFAULT_REPEATS,
     MIN_NEW_TOKENS,
+    add_model_arguments,
     plan_from_args,
 )
 from bastion_sglang.bench.run import run_bench
@@ -56,9 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompts",
-        default="mtbench",
+        default=None,
         help="humaneval, mtbench, sharegpt, several of them comma-separated (taken in turn, one of each, so "
-        "--num-prompts mixes them), or a JSONL file of {'prompt': ...} / {'turns': [...]} lines",
+        "--num-prompts mixes them), or a JSONL file of {'prompt': ...} / {'turns': [...]} lines; default "
+        f"{DEFAULT_PROMPTS}",
     )
     parser.add_argument(
         "--split",
@@ -137,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SGLang attention backend (default: torch_native on cpu, triton)",
     )
     parser.add_argument("--dtype", default="auto", help="SGLang --dtype (float32 keeps CPU runs exact)")
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--bastion-profile",
+        default=None,
+        metavar="PROFILE",
+        help="--bastion-profile of the BASTION Engines: plan with this calibration profile (e.g. one "
+        "measured on another machine at the same model shape) instead of the store's or a start-up one",
+    )
     parser.add_argument(
         "--mem-fraction-static", type=float, default=None, help="SGLang setting (default 0.2 on cpu)"
     )

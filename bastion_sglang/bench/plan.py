@@ -2,13 +2,15 @@
 
 The policies and temperatures parsed, the models checked, the prompts loaded (a named set's held-out split by
 default, never seen in drafter training; a JSONL file whole) and tokenized with the target's chat template,
-the settings recorded (`BenchSettings`, kept in the report), each policy's Engine server arguments, and the
-order each repeat runs the policies in.
+or drawn as random token ids (`--random-prompts`: no tokenizer needed, for a target given as its config.json
+alone and loaded with SGLang's dummy weights, `--load-format dummy`), the settings recorded (`BenchSettings`,
+kept in the report), each policy's Engine server arguments, and the order each repeat runs the policies in.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import re
@@ -37,6 +39,9 @@ DEFAULT_POLICIES = "ar,chain,fixed:1,fixed:2,fixed:4,fixed:8,fixed:16,fixed:64,a
 DEFAULT_MAX_BUDGET = 64
 """N_max passed to BASTION Engines (`--bastion-max-budget`): room for the largest default fixed budget."""
 DEFAULT_REPEATS = 3
+DEFAULT_PROMPTS = "mtbench"
+DEFAULT_RANDOM_PROMPT_TOKENS = 128
+"""Tokens of each `--random-prompts` prompt."""
 MIN_NEW_TOKENS = 2
 """Fewest `--max-new-tokens`: decode throughput needs a token after the prefill's."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -46,6 +51,8 @@ PolicyKind = Literal["ar", "bastion", "dflash"]
 Device = Literal["cpu", "cuda"]
 Schedule = Literal["sequential", "interleaved"]
 """How a repeat runs the policies' Engines: one after another, or all alive and taking turns (`bench.run`)."""
+LoadFormat = Literal["auto", "dummy"]
+"""SGLang's --load-format: auto reads the weights; dummy gives random weights from config.json alone."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +117,11 @@ class BenchSettings(BaseModel):
 
     model_path: str
     draft_model_path: str | None = Field(description="None when only `ar` runs")
-    prompts: str = Field(description="prompt set name or JSONL path")
+    prompts: str = Field(description="prompt set name or JSONL path; 'random' for --random-prompts")
     split: Literal["train", "heldout", "all"]
+    random_prompt_tokens: int | None = Field(
+        default=None, gt=0, description="tokens of each random prompt; None: the prompts are text"
+    )
     num_prompts: int = Field(gt=0, description="prompts sent per policy, temperature and repeat")
     concurrency: int = Field(gt=0, description="requests in flight (one Engine.generate batch)")
     max_new_tokens: int = Field(ge=MIN_NEW_TOKENS)
@@ -131,6 +141,12 @@ class BenchSettings(BaseModel):
     device: Literal["cpu", "cuda"]
     attention_backend: str
     dtype: str
+    load_format: LoadFormat = Field(
+        default="auto", description="dummy: the target's weights were random (SGLang's dummy load format)"
+    )
+    profile: str | None = Field(
+        default=None, description="--bastion-profile of the BASTION Engines; None: auto"
+    )
     seed: int
 
 
@@ -160,6 +176,51 @@ def _check_model(flag: str, value: str | None) -> str:
         raise ValueError(f"{flag} {value}: no such model folder (and not a Hugging Face id owner/name)")
     logger.info("%s %s is not a local folder; SGLang will fetch it as a Hugging Face id", flag, value)
     return value
+
+
+def _check_dummy_target(model_path: str) -> None:
+    """ValueError naming the file when a local target's config.json names no architecture: SGLang builds the
+    model class it names, and with dummy weights there is nothing else to go by."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"--model-path {config}: not a readable JSON object: {error}") from None
+    if not architectures:
+        raise ValueError(
+            f"--model-path {config}: no 'architectures' entry; --load-format dummy builds the model class "
+            'it names, e.g. "architectures": ["Qwen3ForCausalLM"]'
+        )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--load-format` and `--random-prompts`, shared by `bastion bench` and `bastion step-anatomy`: a
+    target measured at its shape from its config.json alone."""
+    parser.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="SGLang --load-format of every Engine: dummy gives the target random weights from its "
+        "config.json alone (the folder needs no weights and, with --random-prompts, no tokenizer), to "
+        "measure a model's step costs at its shape; its tokens mean nothing. Default auto",
+    )
+    parser.add_argument(
+        "--random-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N prompts of random token ids (seeded by --seed) instead of --prompts: no tokenizer is read "
+        "and the Engines skip theirs",
+    )
+    parser.add_argument(
+        "--random-prompt-tokens",
+        type=int,
+        default=DEFAULT_RANDOM_PROMPT_TOKENS,
+        metavar="L",
+        help=f"tokens of each random prompt (default {DEFAULT_RANDOM_PROMPT_TOKENS})",
+    )
 
 
 def named_sets(spec: str) -> tuple[PromptSet, ...] | None:
@@ -208,35 +269,27 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             "--policies dflash: SGLang's DFLASH worker runs on CUDA only; drop dflash or use --device cuda"
         )
     model_path = _check_model("--model-path", args.model_path)
+    if args.load_format == "dummy":
+        _check_dummy_target(model_path)
     speculative = any(p.kind != "ar" for p in policies)
     draft_path = _check_model("--draft-model-path", args.draft_model_path) if speculative else None
-    sets = named_sets(args.prompts)
-    prompts_path = Path(args.prompts)
-    if sets is None and not prompts_path.is_file() and (prompts_path.suffix or len(prompts_path.parts) > 1):
-        raise ValueError(f"--prompts {args.prompts}: no such file (or sets of {list(PROMPT_SETS)})")
-    split = args.split or ("heldout" if sets is not None else "all")
-    prompts = (
-        load_prompts(args.prompts, split=split) if sets is None else interleave_prompts(sets, split=split)
-    )
-    if args.num_prompts is not None:
-        prompts = prompts[: args.num_prompts]
-    if not prompts:
-        raise ValueError(f"--prompts {args.prompts}: the {split} split holds no prompts")
-    if args.num_prompts is not None and len(prompts) < args.num_prompts:
-        logger.warning(
-            "--num-prompts %d: the %s split of %s holds %d; using them all",
-            args.num_prompts,
-            split,
-            args.prompts,
-            len(prompts),
-        )
+    if args.bastion_profile is not None and not Path(args.bastion_profile).is_file():
+        raise ValueError(f"--bastion-profile {args.bastion_profile}: no such file")
+    if args.random_prompts is not None:
+        prompts_name, split = "random", "all"
+        prompt_ids = random_prompts(args, model_path)
+    else:
+        prompts_name = args.prompts or DEFAULT_PROMPTS
+        split, texts = text_prompts(prompts_name, args.split, args.num_prompts)
+        prompt_ids = tokenize_prompts(model_path, texts)
     attention = args.attention_backend or CHOSEN_BACKENDS["cpu" if device == "cpu" else "cuda"]
     settings = BenchSettings(
         model_path=model_path,
         draft_model_path=draft_path,
-        prompts=str(args.prompts),
+        prompts=prompts_name,
         split=split,
-        num_prompts=len(prompts),
+        random_prompt_tokens=args.random_prompt_tokens if args.random_prompts is not None else None,
+        num_prompts=len(prompt_ids),
         concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens,
         ignore_eos=args.ignore_eos,
@@ -249,17 +302,67 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         device=device,
         attention_backend=attention,
         dtype=args.dtype,
+        load_format=args.load_format,
+        profile=args.bastion_profile,
         seed=args.seed,
     )
     return BenchPlan(
         settings=settings,
         policies=policies,
-        prompt_ids=tokenize_prompts(model_path, [p.turns[0] for p in prompts]),
+        prompt_ids=tuple(prompt_ids),
         out=args.out,
         mem_fraction_static=args.mem_fraction_static or (0.2 if device == "cpu" else None),
         max_total_tokens=args.max_total_tokens or (65536 if device == "cpu" else None),
         sglang_log_level=args.sglang_log_level,
     )
+
+
+def text_prompts(spec: str, split: str | None, num_prompts: int | None) -> tuple[str, list[str]]:
+    """(the split taken, the first user turn of each prompt) of `--prompts spec`: named sets interleaved or
+    a JSONL file, the first `num_prompts` of them; ValueError naming the value when none are there."""
+    sets = named_sets(spec)
+    path = Path(spec)
+    if sets is None and not path.is_file() and (path.suffix or len(path.parts) > 1):
+        raise ValueError(f"--prompts {spec}: no such file (or sets of {list(PROMPT_SETS)})")
+    split = split or ("heldout" if sets is not None else "all")
+    prompts = load_prompts(spec, split=split) if sets is None else interleave_prompts(sets, split=split)
+    if num_prompts is not None:
+        prompts = prompts[:num_prompts]
+    if not prompts:
+        raise ValueError(f"--prompts {spec}: the {split} split holds no prompts")
+    if num_prompts is not None and len(prompts) < num_prompts:
+        logger.warning(
+            "--num-prompts %d: the %s split of %s holds %d; using them all",
+            num_prompts,
+            split,
+            spec,
+            len(prompts),
+        )
+    return split, [p.turns[0] for p in prompts]
+
+
+def random_prompts(args: argparse.Namespace, model_path: str) -> list[list[int]]:
+    """`--random-prompts N` prompts of `--random-prompt-tokens` ids each, uniform over the target's
+    vocabulary (config.json: no tokenizer is read) from a generator seeded with `--seed`, so every policy and
+    repeat gets the same ones. ValueError naming the flag that conflicts or is out of range."""
+    import torch
+    from transformers import AutoConfig
+
+    if args.prompts is not None or args.split is not None:
+        given = "--prompts" if args.prompts is not None else "--split"
+        raise ValueError(f"--random-prompts makes its own prompts; drop {given}")
+    if args.random_prompts < 1 or args.random_prompt_tokens < 1:
+        raise ValueError(
+            f"--random-prompts {args.random_prompts} --random-prompt-tokens {args.random_prompt_tokens}: "
+            "both must be >= 1"
+        )
+    try:
+        vocab = int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"--model-path {model_path}: no vocab_size in its config: {error}") from None
+    count = args.random_prompts if args.num_prompts is None else min(args.num_prompts, args.random_prompts)
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, vocab, (count, args.random_prompt_tokens), generator=generator).tolist()
 
 
 def tokenize_prompts(model_path: str, texts: Sequence[str]) -> list[list[int]]:
@@ -309,6 +412,10 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str
         kwargs["mem_fraction_static"] = plan.mem_fraction_static
     if plan.max_total_tokens is not None:
         kwargs["max_total_tokens"] = plan.max_total_tokens
+    if settings.load_format != "auto":
+        kwargs["load_format"] = settings.load_format
+    if settings.random_prompt_tokens is not None:
+        kwargs["skip_tokenizer_init"] = True  # token ids in, token ids out: no text is ever needed
     if policy.kind == "bastion":
         kwargs |= dict(
             speculative_algorithm="BASTION",
@@ -319,7 +426,10 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str
     server_args = ServerArgs(**(kwargs | dict(overrides or {})))
     if policy.kind == "bastion":
         config = make_config(
-            max_budget=settings.max_budget, policy=policy.name, overlap=settings.overlap_schedule
+            max_budget=settings.max_budget,
+            policy=policy.name,
+            profile=settings.profile,
+            overlap=settings.overlap_schedule,
         )
         attach_config(server_args, config)
     return server_args

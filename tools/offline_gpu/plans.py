@@ -433,22 +433,30 @@ MAKE_DRAFTER = (
 
 
 def qwen3_8b_anatomy(concurrency: int, policies: str) -> str:
+    """`bastion bench` of the dummy-weight pair: its "ms per decode step" table is the stage anatomy (draft,
+    plan, verify, accept, commit, other) of each policy at this concurrency."""
     return (
         f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} --random-prompts 64 "
         f"--max-new-tokens 128 --ignore-eos --temperatures 0 --repeats 1 --concurrency {concurrency} "
-        f"--max-budget 256 --policies {policies} --step-anatomy --out $RESULTS/anatomy-c{concurrency}"
+        f"--max-budget 256 --policies {policies} --out $RESULTS/anatomy-c{concurrency}"
     )
+
+
+QWEN3_8B_OPS = (
+    f"python3 -m bastion_sglang.cli step-anatomy {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} "
+    "--random-prompts 32 --policies ar,chain,adaptive --concurrency 1,8,32 --max-new-tokens 32 "
+    "--max-budget 256 --out $RESULTS/ops"
+)
+"""`bastion step-anatomy` of the dummy-weight pair: kernel launches and blocking syncs per region of each
+step kind of ar, chain and adaptive at concurrency 1, 8 and 32."""
 
 
 def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
     """Part "calibrate": `bastion calibrate --engine sglang` with CUDA graphs; "anatomy-c1-c8" and
-    "anatomy-c32": the step anatomy of ar, chain and adaptive."""
+    "anatomy-c32": the step anatomy of ar, chain and adaptive (stage times from `bastion bench`, and with c32
+    the ops and syncs of `bastion step-anatomy` at every concurrency)."""
     name = f"qwen3-8b-dummy-{part}"
     needs = (f"{QWEN3_8B_CONFIG}/config.json", "benchmarks/calibrate_gpu.py")
-    missing = (
-        "benchmarks/calibrate_gpu.py --make-drafter DIR --target-config DIR (save only the random "
-        "Qwen3-8B-DFlash-b16-shaped drafter)",
-    )
     if part == "calibrate":
         calibrate = (
             f"{CALIBRATE} --engine sglang --device cuda {QWEN3_8B_DUMMY} --draft-model-path "
@@ -456,28 +464,26 @@ def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
             "--out $RESULTS/profile.json"
         )
         first, first_s = f"{MAKE_DRAFTER} && {calibrate}", 420
-        missing += ("bastion calibrate --load-format dummy (a target from its config.json alone)",)
         rest: list[GpuCommand] = []
     else:
         concurrencies = (1, 8) if part == "anatomy-c1-c8" else (32,)
         runs = [qwen3_8b_anatomy(c, "ar,chain,adaptive") for c in concurrencies]
+        labels = [f"anatomy-c{c}" for c in concurrencies[1:]]
+        if part == "anatomy-c32":
+            runs.append(QWEN3_8B_OPS)
+            labels.append("ops")
         first, first_s = f"{MAKE_DRAFTER} && {runs[0]}", 60 + 3 * QWEN3_8B_ENGINE_RUN_S
         rest = [
             GpuCommand(
-                f"anatomy-c{c}",
+                label,
                 (),
-                recorded(name, f"anatomy-c{c}", commit, f"{SGLANG_ENV} && {run}"),
+                recorded(name, label, commit, f"{SGLANG_ENV} && {run}"),
                 needs,
                 MAX_LIMIT_S,
                 3 * QWEN3_8B_ENGINE_RUN_S,
             )
-            for c, run in zip(concurrencies[1:], runs[1:], strict=True)
+            for label, run in zip(labels, runs[1:], strict=True)
         ]
-        missing += (
-            "bastion bench --load-format dummy",
-            "bastion bench --random-prompts N (token prompts without a tokenizer)",
-            "bastion bench --step-anatomy (per-step stage times: draft, plan, verify, accept)",
-        )
     commands = _setup_commands(name, commit, sizes, first, first_s, needs, demo_target=False) + rest
     title = (
         "8B-shaped target without weights (Qwen3-8B config, --load-format dummy) and a random "
@@ -488,7 +494,7 @@ def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
             else f"step anatomy of ar, chain and adaptive at {part.removeprefix('anatomy-')}"
         )
     )
-    return Item(name, title, (BUILD_BUNDLE,), tuple(commands), missing)
+    return Item(name, title, (BUILD_BUNDLE,), tuple(commands))
 
 
 def qwen3_8b_synthetic(commit: str, sizes: Sizes) -> Item:
@@ -500,7 +506,7 @@ def qwen3_8b_synthetic(commit: str, sizes: Sizes) -> Item:
         return (
             f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} --random-prompts 64 "
             f"--max-new-tokens 128 --ignore-eos --temperatures 0 --repeats 1 --concurrency {concurrency} "
-            f"--max-budget 256 --policies fixed:64,adaptive --calibration {QWEN3_8B_PROFILE} "
+            f"--max-budget 256 --policies fixed:64,adaptive --bastion-profile {QWEN3_8B_PROFILE} "
             f"--synthetic-acceptance {DFLASH_ACCEPTANCE} --out $RESULTS/synthetic-c{concurrency}"
         )
 
@@ -518,11 +524,6 @@ def qwen3_8b_synthetic(commit: str, sizes: Sizes) -> Item:
         for c in CONCURRENCIES[1:]
     ]
     missing = (
-        "benchmarks/calibrate_gpu.py --make-drafter DIR --target-config DIR (save only the random "
-        "Qwen3-8B-DFlash-b16-shaped drafter)",
-        "bastion bench --load-format dummy",
-        "bastion bench --random-prompts N (token prompts without a tokenizer)",
-        "bastion bench --calibration PROFILE (plan with a given latency profile)",
         "bastion bench --synthetic-acceptance FILE (a drafter seam that accepts by a published profile)",
         f"{QWEN3_8B_PROFILE} (ingested from qwen3-8b-dummy-calibrate)",
         f"{DFLASH_ACCEPTANCE} (the published acceptance profile of z-lab's Qwen3-8B-DFlash-b16)",
@@ -547,13 +548,6 @@ def controller_bench(commit: str, sizes: Sizes) -> Item:
 
 MISSING_ALLOWED = frozenset(
     {
-        "benchmarks/calibrate_gpu.py --make-drafter DIR --target-config DIR (save only the random "
-        "Qwen3-8B-DFlash-b16-shaped drafter)",
-        "bastion calibrate --load-format dummy (a target from its config.json alone)",
-        "bastion bench --load-format dummy",
-        "bastion bench --random-prompts N (token prompts without a tokenizer)",
-        "bastion bench --step-anatomy (per-step stage times: draft, plan, verify, accept)",
-        "bastion bench --calibration PROFILE (plan with a given latency profile)",
         "bastion bench --synthetic-acceptance FILE (a drafter seam that accepts by a published profile)",
         f"{QWEN3_8B_PROFILE} (ingested from qwen3-8b-dummy-calibrate)",
         f"{DFLASH_ACCEPTANCE} (the published acceptance profile of z-lab's Qwen3-8B-DFlash-b16)",
