@@ -169,6 +169,25 @@ class Acceptor:
             return RootTargets(torch.argmax(logits, dim=-1), None, ones)
         return RootTargets(kernels.sample_tokens(probs[:, 0], uniforms[:, 0]), probs, ones)
 
+    def target_tokens(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        rows: kernels.TreeBatch,
+        keys: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's token after each verify row [B, W] int64 (the argmax, or the sample at the row's
+        position) and the distributions they were drawn from [B, W, V] (None: every request greedy).
+        logits: [B * W, V] processed; keys: [B] walk keys; prefix: [B] committed lengths."""
+        bs, width = rows.tokens.shape
+        if batch.sampling_info.is_all_greedy:
+            return torch.argmax(logits.view(bs, width, -1), dim=-1), None
+        positions = prefix[:, None] + 1 + rows.depths  # [B, W] the position of each row's next token
+        probs, uniforms = self.sampling_inputs(batch, logits, width, keys, positions)
+        samples = kernels.sample_tokens(probs.reshape(bs * width, -1), uniforms.reshape(-1))
+        return samples.view(bs, width), probs
+
     def walk(
         self,
         batch: ScheduleBatch,
@@ -184,19 +203,12 @@ class Acceptor:
         walk keys; prefix: [B] committed lengths. After the logit processing its ops are fixed by (B, W) and
         whether any request samples (`kernels.accept_paths` on the argmax or on `kernels.sample_tokens`); no
         host sync."""
-        bs, width = rows.tokens.shape
+        width = rows.tokens.shape[1]
         ancestors = row_logits.ancestors
         if ancestors is None:
             raise ValueError(f"the accept walk over rows of width {width} needs their ancestor mask")
         self.process_logits(batch, logits, row_logits, contexts)
-        probs = None
-        if batch.sampling_info.is_all_greedy:
-            target_tokens = torch.argmax(logits.view(bs, width, -1), dim=-1)
-        else:
-            positions = prefix[:, None] + 1 + rows.depths  # [B, W] the position of each row's next token
-            probs, uniforms = self.sampling_inputs(batch, logits, width, keys, positions)
-            samples = kernels.sample_tokens(probs.reshape(bs * width, -1), uniforms.reshape(-1))
-            target_tokens = samples.view(bs, width)
+        target_tokens, probs = self.target_tokens(batch, logits, rows, keys, prefix)
         paths = kernels.accept_paths(rows, ancestors, target_tokens)
         self.recent_outputs.record(batch.reqs, paths.out_tokens, paths.commit_lens)
         return TreeAccept(

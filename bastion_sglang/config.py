@@ -80,6 +80,9 @@ class BastionConfig:
     draft_proposer: "module:callable" of a `draft_protocols.DraftLogitsRewriter` factory called once with
         `draft_proposer_arg` in the scheduler process; it may rewrite the drafter's logits each step
         (the seam tests use for an oracle drafter). None: the drafter's logits as they are.
+    synthetic_acceptance: a `synthetic_acceptance` profile file: the drafter's distributions and the target's
+        tokens of tree steps are drawn from it (speed benchmarks of a target without weights; the output
+        is not the target's). None: off. Not with draft_proposer.
     overlap: whether BASTION may run under SGLang's overlap scheduler (`--bastion-overlap-schedule on`).
         False (the default): `--disable-overlap-schedule` is switched on. True: SGLang's own
         `--disable-overlap-schedule` decides (see the architecture page, "Overlap scheduling").
@@ -95,6 +98,7 @@ class BastionConfig:
     topk: int = DEFAULT_TOPK
     draft_proposer: str | None = None
     draft_proposer_arg: str = ""
+    synthetic_acceptance: Path | None = None
     overlap: bool = False
     startup_calibration: StartupMode = field(default_factory=default_startup_calibration)
 
@@ -128,6 +132,10 @@ class BastionConfig:
             raise ValueError(
                 f"startup_calibration must be one of {', '.join(STARTUP_MODES)}, "
                 f"got {self.startup_calibration!r}"
+            )
+        if self.synthetic_acceptance is not None and self.draft_proposer is not None:
+            raise ValueError(
+                "synthetic_acceptance rewrites the draft itself; it cannot run with a draft_proposer"
             )
         if self.draft_proposer is not None:
             module, _, attr = self.draft_proposer.partition(":")

@@ -200,12 +200,14 @@ def make_config(
     topk: int | None = None,
     overlap: bool | None = None,
     startup_calibration: StartupMode | None = None,
+    synthetic_acceptance: str | None = None,
 ) -> BastionConfig:
     """BastionConfig from the command-line spellings (None: the default). ValueError names a bad value.
 
     policy: adaptive | bucketed | fixed:N | chain. profile: "auto" or a path to a calibration profile.
     overlap: whether SGLang's overlap scheduler may run BASTION (default False). startup_calibration:
-    off | quick | full (default `config.default_startup_calibration`).
+    off | quick | full (default `config.default_startup_calibration`). synthetic_acceptance: a
+    `synthetic_acceptance` profile file (speed benchmarks only; None: off).
     """
     budget = DEFAULT_MAX_BUDGET if max_budget is None else max_budget
     if isinstance(budget, int) and budget > MAX_BUDGET_LIMIT:
@@ -233,6 +235,7 @@ def make_config(
         startup_calibration=default_startup_calibration()
         if startup_calibration is None
         else startup_calibration,
+        synthetic_acceptance=None if synthetic_acceptance is None else Path(synthetic_acceptance),
     )
 
 

@@ -33,7 +33,7 @@ from bastion_sglang.calibration.startup import StartupCalibration
 from bastion_sglang.commit import DraftContextWriter, TreeCommit, attach_logprobs, kv_copy_seconds_per_token
 from bastion_sglang.config import BastionConfig, config_of
 from bastion_sglang.draft_context import ContextRows
-from bastion_sglang.draft_protocols import load_draft_logits_rewriter
+from bastion_sglang.draft_protocols import DraftLogitsRewriter, load_draft_logits_rewriter
 from bastion_sglang.drafter_forward import DrafterForward
 from bastion_sglang.graph_buckets import planning_widths, real_rows
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
@@ -59,6 +59,8 @@ from bastion_sglang.sglang_adapter import (
 )
 from bastion_sglang.spec_input import BastionDraftInput
 from bastion_sglang.step_controller import StepController, StepPlan, StepRecord, StepStart
+from bastion_sglang.synthetic_acceptance import SyntheticAcceptor, SyntheticDraft
+from bastion_sglang.synthetic_profile import load_synthetic_profile
 from bastion_sglang.target_forward import DecodeInputs, TargetForward, TreePass
 
 if TYPE_CHECKING:
@@ -89,7 +91,8 @@ class BastionWorker(DFlashWorkerV2):
         self._reserve = 2 * max(block_size, config.verify_width_cap)
         capture_final_hidden_states(self)  # before the target's graphs are captured
         vocab_size = int(self.model_runner.model_config.vocab_size)
-        self._acceptor = Acceptor(vocab_size, str(get_exec().kernel.sampling_backend))
+        backend = str(get_exec().kernel.sampling_backend)
+        rewriter, self._acceptor = self._draft_rewriter_and_acceptor(server_args, vocab_size, backend)
         self._prefill_redraw = PrefillRedraw(self._acceptor, self.model_runner)
         group = scheduler_group()  # None with one TP rank
         self._rank_sync = RankSync(group)
@@ -99,7 +102,7 @@ class BastionWorker(DFlashWorkerV2):
             int(get_schedule().max_running_requests),
             DraftHead.of(target_worker.model_runner.model.lm_head, vocab_size, group),
             config.branching,
-            load_draft_logits_rewriter(config),
+            rewriter,
         )
         self._context = DraftContextWriter(self)  # drafter KV rows of width-1 steps
         self._page_size = int(get_schedule().page_size)
@@ -121,6 +124,26 @@ class BastionWorker(DFlashWorkerV2):
             config.branching,
             config.policy,
         )
+
+    def _draft_rewriter_and_acceptor(
+        self, server_args: ServerArgs, vocab_size: int, sampling_backend: str
+    ) -> tuple[DraftLogitsRewriter | None, Acceptor]:
+        """The draft rewriter (`BastionConfig.draft_proposer`, or synthetic acceptance's) and the accept
+        stage; with `synthetic_acceptance` both come from its profile (`synthetic_acceptance`)."""
+        path = self.config.synthetic_acceptance
+        if path is None:
+            return load_draft_logits_rewriter(self.config), Acceptor(vocab_size, sampling_backend)
+        if int(server_args.tp_size) > 1:
+            raise ValueError(f"synthetic acceptance ({path}) draws on one rank; run it with --tp-size 1")
+        draft = SyntheticDraft(load_synthetic_profile(path))
+        logger.warning(
+            "BASTION: synthetic acceptance from %s (%s): tree steps accept by this profile, not by the "
+            "target; the output is not the target's (a speed benchmark only)",
+            path,
+            draft.profile.name,
+        )
+        seed = int(server_args.random_seed or 0)
+        return draft, SyntheticAcceptor(vocab_size, sampling_backend, draft, seed)
 
     # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
 

@@ -1,11 +1,11 @@
-"""A target measured at its shape alone: `--load-format dummy` and `--random-prompts`.
+"""A target measured at its shape alone: `--load-format dummy`, `--random-prompts`, `--synthetic-acceptance`.
 
 The target here is a tiny Qwen3 saved with weights and tokenizer (tests/tiny_models.py), and a second folder
 holding only its config.json, as `tools/offline_gpu/models/qwen3-8b` holds only Qwen3-8B's. The drafter is
 made from that config by `benchmarks/calibrate_gpu.py --make-drafter`. Slow tests run the real SGLang Engine
-and ModelRunner on the CPU: `bastion bench` and `bastion calibrate --engine sglang` of the config-only
-target with SGLang's dummy weights. The others check the arguments, the random prompts and the server
-arguments without starting an Engine.
+and ModelRunner on the CPU: `bastion bench` (chain under synthetic acceptance) and `bastion calibrate
+--engine sglang` of the config-only target with SGLang's dummy weights. The others check the arguments, the
+random prompts and the server arguments without starting an Engine.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from bastion_sglang.calibration.identity import model_config_hash
 from bastion_sglang.config import config_of
 from bastion_sglang.controller.profile import load_profile
 from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits
+from bastion_sglang.synthetic_profile import load_synthetic_profile
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 MAKE_DRAFTER = [sys.executable, str(REPOSITORY / "benchmarks" / "calibrate_gpu.py"), "--make-drafter"]
@@ -37,7 +38,8 @@ VOCAB = 300
 TARGET_LAYERS = 8
 DRAFT_LAYERS = 2
 PROMPT_TOKENS = 24
-MAX_NEW_TOKENS = 10
+MAX_NEW_TOKENS = 48
+SYNTHETIC = REPOSITORY / "tools" / "offline_gpu" / "profiles" / "qwen3-8b-dflash-b16-gsm8k.json"
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -136,6 +138,10 @@ def test_engines_load_dummy_weights_and_skip_the_tokenizer(
         (["--random-prompts", "0"], "--random-prompts 0 --random-prompt-tokens 128: both must be >= 1"),
         (["--random-prompt-tokens", "0"], "--random-prompts 3 --random-prompt-tokens 0: both must be >= 1"),
         (["--bastion-profile", "nowhere.json"], "--bastion-profile nowhere.json: no such file"),
+        (
+            ["--synthetic-acceptance", "nowhere.json"],
+            "synthetic acceptance profile nowhere.json: No such file",
+        ),
     ],
 )
 def test_argument_errors(
@@ -177,15 +183,18 @@ def test_step_anatomy_takes_random_prompts(shapes: tuple[Path, Path, Path]) -> N
 
 @pytest.mark.slow
 def test_bench_runs_the_config_only_target(shapes: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    """`bastion bench` of ar and chain on the config-only target: SGLang builds it with dummy weights and no
-    tokenizer, every request gets its tokens, and chain's steps accept at least their root token."""
+    """`bastion bench` of ar and chain on the config-only target, chain under synthetic acceptance: SGLang
+    builds the target with dummy weights and no tokenizer, every request gets its tokens, chain's planner
+    sees the profile's chain (Â of its 8 nodes) and its steps accept about that many tokens (the random
+    drafter alone gets about 1)."""
     _, target, drafter = shapes
     out = tmp_path / "results"
     argv = [
         sys.executable, "-m", "bastion_sglang.cli", "bench",
         "--model-path", str(target), "--load-format", "dummy", "--draft-model-path", str(drafter),
-        "--random-prompts", "3", "--random-prompt-tokens", str(PROMPT_TOKENS), "--policies", "ar,chain",
-        "--device", "cpu", "--dtype", "float32", "--concurrency", "3",
+        "--random-prompts", "4", "--random-prompt-tokens", str(PROMPT_TOKENS), "--policies", "ar,chain",
+        "--synthetic-acceptance", str(SYNTHETIC),
+        "--device", "cpu", "--dtype", "float32", "--concurrency", "4",
         "--max-new-tokens", str(MAX_NEW_TOKENS), "--ignore-eos", "--max-budget", "8", "--repeats", "1",
         "--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--sglang-log-level", "error",
         "--out", str(out),
@@ -194,10 +203,14 @@ def test_bench_runs_the_config_only_target(shapes: tuple[Path, Path, Path], tmp_
     assert result.returncode == 0, result.stderr[-4000:]
     report = BenchReport.model_validate_json((out / REPORT_NAME).read_text(encoding="utf-8"))
     assert (report.settings.load_format, report.settings.prompts) == ("dummy", "random")
+    assert report.settings.synthetic_acceptance == str(SYNTHETIC)
     rows = {row.policy: row for row in report.rows}
     for row in rows.values():
-        assert (row.requests, row.completion_tokens) == (3, 3 * MAX_NEW_TOKENS)
-    assert rows["chain"].verify_passes is not None and rows["chain"].mean_accept_length >= 1.0
+        assert (row.requests, row.completion_tokens) == (4, 4 * MAX_NEW_TOKENS)
+    chain = rows["chain"]
+    expected = load_synthetic_profile(SYNTHETIC).chain_tau(8)  # 5.34
+    assert chain.mean_expected_accept_length_raw == pytest.approx(expected, rel=0.05)
+    assert 4.0 <= chain.mean_accept_length <= 7.0
 
 
 @pytest.mark.slow

@@ -143,7 +143,13 @@ FLOORS: tuple[Floor, ...] = (
     Floor("kernels", _under(f"{_P}.kernels"), sglang=False),
     Floor(
         "config",
-        (f"{_P}.config", f"{_P}.timing", f"{_P}.drafter_config", f"{_P}.step_anatomy"),
+        (
+            f"{_P}.config",
+            f"{_P}.timing",
+            f"{_P}.drafter_config",
+            f"{_P}.step_anatomy",
+            f"{_P}.synthetic_profile",
+        ),
         sglang=False,
     ),
     Floor(
@@ -196,6 +202,7 @@ FLOORS: tuple[Floor, ...] = (
                 "rank_sync",
                 "drafter_forward",
                 "accept",
+                "synthetic_acceptance",
                 "commit",
                 "target_forward",
                 "planning_setup",

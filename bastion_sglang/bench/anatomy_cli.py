@@ -196,6 +196,7 @@ def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
         random_prompts=args.random_prompts,
         random_prompt_tokens=args.random_prompt_tokens,
         bastion_profile=None,
+        synthetic_acceptance=None,
         mem_fraction_static=args.mem_fraction_static,
         max_total_tokens=args.max_total_tokens,
         seed=0,

@@ -149,6 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "measured on another machine at the same model shape) instead of the store's or a start-up one",
     )
     parser.add_argument(
+        "--synthetic-acceptance",
+        default=None,
+        metavar="FILE",
+        help="speed only: the BASTION Engines draft and accept by this synthetic acceptance profile "
+        "(e.g. tools/offline_gpu/profiles/qwen3-8b-dflash-b16-gsm8k.json) instead of by the target, so "
+        "trees run at a dummy-weight target's real step costs with a published acceptance; their output "
+        "is not the target's",
+    )
+    parser.add_argument(
         "--mem-fraction-static", type=float, default=None, help="SGLang setting (default 0.2 on cpu)"
     )
     parser.add_argument(

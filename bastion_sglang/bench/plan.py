@@ -147,6 +147,10 @@ class BenchSettings(BaseModel):
     profile: str | None = Field(
         default=None, description="--bastion-profile of the BASTION Engines; None: auto"
     )
+    synthetic_acceptance: str | None = Field(
+        default=None,
+        description="the BASTION Engines accepted by this synthetic profile, not by the target; None: off",
+    )
     seed: int
 
 
@@ -275,6 +279,15 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     draft_path = _check_model("--draft-model-path", args.draft_model_path) if speculative else None
     if args.bastion_profile is not None and not Path(args.bastion_profile).is_file():
         raise ValueError(f"--bastion-profile {args.bastion_profile}: no such file")
+    if args.synthetic_acceptance is not None:
+        from bastion_sglang.synthetic_profile import load_synthetic_profile
+
+        load_synthetic_profile(Path(args.synthetic_acceptance))  # ValueError names the file and field
+        if any(p.kind == "dflash" for p in policies):
+            raise ValueError(
+                "--synthetic-acceptance replaces BASTION's acceptance only; dflash would accept by its own "
+                "drafter: drop dflash"
+            )
     if args.random_prompts is not None:
         prompts_name, split = "random", "all"
         prompt_ids = random_prompts(args, model_path)
@@ -304,6 +317,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         dtype=args.dtype,
         load_format=args.load_format,
         profile=args.bastion_profile,
+        synthetic_acceptance=args.synthetic_acceptance,
         seed=args.seed,
     )
     return BenchPlan(
@@ -430,6 +444,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str
             policy=policy.name,
             profile=settings.profile,
             overlap=settings.overlap_schedule,
+            synthetic_acceptance=settings.synthetic_acceptance,
         )
         attach_config(server_args, config)
     return server_args

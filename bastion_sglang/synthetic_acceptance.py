@@ -1,0 +1,124 @@
+"""Synthetic acceptance: trees exercised at a model's real step costs with a published acceptance profile.
+
+For benchmarks of a target loaded without its weights (`--load-format dummy`), whose random drafter would
+otherwise propose nothing the target accepts. It replaces both ends of what acceptance depends on:
+
+- the draft (`SyntheticDraft`, a `draft_protocols.DraftLogitsRewriter`): at draft position d (1-based) the
+  drafter's own top-K_p ids get the profile's probabilities q[d, k] (k = 0 the best), the rest of the
+  vocabulary shares what is left, so the planner sees the profile's distribution;
+- the target's tokens (`SyntheticAcceptor`, the accept stage): at each tree step every request draws a true
+  continuation, at position d the rank-k candidate with probability q[d, k] and none of them with the rest,
+  and the target's token after a verify row at depth d is that request's true token at position d + 1 (the
+  row's own argmax where the draw took no candidate, or past the draft: with random weights it is one of
+  the candidates about K_p / V of the time). The accept walk, the commit and everything after run as always.
+
+The planner's Â is then exactly the expected accepted length (independent positions, as it assumes), and
+the tokens emitted are not the target's: a benchmark of speed only, never a server's output.
+
+The profile file (`synthetic_profile.SyntheticAcceptanceProfile`) holds q for positions 1..D; deeper positions
+take row D.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bastion_sglang.accept import Acceptor
+from bastion_sglang.synthetic_profile import SyntheticAcceptanceProfile
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from bastion_sglang import kernels
+
+REST_FLOOR = 1e-9
+"""Smallest probability mass left to the tokens outside the profile's candidates (keeps the logits finite)."""
+
+
+class SyntheticDraft:
+    """The draft side (module docstring), a DraftLogitsRewriter; it keeps the last step's candidate ids
+    [B, h, K_p] for `SyntheticAcceptor`."""
+
+    def __init__(self, profile: SyntheticAcceptanceProfile) -> None:
+        self.profile = profile
+        self.candidates: torch.Tensor | None = None
+        self._logq: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def log_probs(self, depth: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([depth, K_p] log q, [depth, 1] log of each other token's share) as float32 on `device`."""
+        key = (depth, device)
+        if key not in self._logq:
+            q = self.profile.probs(depth)
+            rest = (1.0 - q.sum(-1, keepdim=True)).clamp_min(REST_FLOOR) / (vocab - q.shape[1])
+            self._logq[key] = (q.clamp_min(1e-30).log().float().to(device), rest.log().float().to(device))
+        return self._logq[key]
+
+    def __call__(
+        self, reqs: Sequence[Any], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """draft_logits [B, h, V] -> [B, h, V] log-probabilities: the drafter's top-K_p ids at each position
+        take the profile's q, every other id an equal share of the rest."""
+        bs, depth, vocab = draft_logits.shape
+        logq, rest = self.log_probs(depth, vocab, draft_logits.device)
+        candidates = torch.topk(draft_logits, logq.shape[1], dim=-1).indices  # [B, h, K_p]
+        out = rest.expand(depth, vocab).repeat(bs, 1, 1)
+        out.scatter_(-1, candidates, logq.expand(bs, -1, -1))
+        self.candidates = candidates
+        return out
+
+
+def true_tokens(candidates: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B, h] each request's true token at draft positions 1..h: candidates [B, h, K_p] int64, q [h, K_p]
+    float, uniforms [B, h] in [0, 1); the rank-k candidate where the uniform falls in rank k's share of the
+    cumulative q, else -1 (none of the candidates)."""
+    edges = q.cumsum(-1).to(uniforms.dtype)  # [h, K_p]
+    rank = (uniforms[..., None] >= edges).sum(-1)  # [B, h] in 0..K_p, K_p: no candidate
+    picked = candidates.gather(-1, rank.clamp(max=candidates.shape[-1] - 1)[..., None])[..., 0]
+    return torch.where(rank < candidates.shape[-1], picked, -1)
+
+
+def synthetic_targets(truth: torch.Tensor, depths: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """[B, W] the target's token after each verify row: truth [B, h] at the row's depth (a row at depth d is
+    followed by position d + 1, truth column d); the row's own argmax [B, W] where that is -1 (no candidate)
+    or the row is at depth h (past the draft). depths: [B, W] int64, the root 0."""
+    horizon = truth.shape[1]
+    column = truth.gather(1, depths.clamp(max=horizon - 1))
+    return torch.where((depths < horizon) & (column >= 0), column, argmax)
+
+
+class SyntheticAcceptor(Acceptor):
+    """The accept stage with the target's tokens of a tree step drawn as the module docstring says; width-1
+    steps keep the target's own tokens. seed: of the draws (one generator on the device)."""
+
+    def __init__(self, vocab_size: int, sampling_backend: str, draft: SyntheticDraft, seed: int) -> None:
+        super().__init__(vocab_size, sampling_backend)
+        self._draft = draft
+        self._seed = seed
+        self._generator: torch.Generator | None = None
+        self._q: torch.Tensor | None = None
+
+    def target_tokens(
+        self,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        rows: kernels.TreeBatch,
+        keys: torch.Tensor,
+        prefix: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens, probs = super().target_tokens(batch, logits, rows, keys, prefix)
+        candidates = self._draft.candidates
+        if candidates is None:
+            raise RuntimeError("synthetic acceptance: a tree step came before any draft")
+        device = tokens.device
+        if self._generator is None:
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        bs, horizon = candidates.shape[:2]
+        if self._q is None or self._q.shape[0] != horizon:
+            self._q = self._draft.profile.probs(horizon).to(device)
+        uniforms = torch.rand((bs, horizon), generator=self._generator, device=device, dtype=torch.float64)
+        truth = true_tokens(candidates, self._q, uniforms)
+        return synthetic_targets(truth, rows.depths, tokens), probs
