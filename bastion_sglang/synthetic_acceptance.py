@@ -109,6 +109,8 @@ class SyntheticAcceptor(Acceptor):
         keys: torch.Tensor,
         prefix: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's own tokens (`Acceptor.target_tokens`), then on the true continuation drawn for this
+        step from the profile over the step's draft candidates (module docstring)."""
         tokens, probs = super().target_tokens(batch, logits, rows, keys, prefix)
         candidates = self._draft.candidates
         if candidates is None:

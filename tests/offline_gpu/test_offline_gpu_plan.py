@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from calibration_profiles import make_profile
 from offline_gpu import plans
 from offline_gpu.gpu_carry import CALL_LIMIT_BYTES
 from offline_gpu.results import IngestedItem, IngestError, RunMeta, ingest, read_meta
 
 from bastion_sglang import cli
+from bastion_sglang.controller.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "tools" / "offline_gpu" / "record.py"
@@ -172,9 +174,9 @@ def test_plan_prints_an_item() -> None:
     assert "time limit" in result.stdout and "with the repository" in result.stdout
 
 
-def _record(out: Path, *command: str) -> subprocess.CompletedProcess[str]:
+def _record(out: Path, *command: str, item: str = "sglang-cuda") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(RECORD), "--out", str(out), "--item", "sglang-cuda", "--name", "launch",
+        [sys.executable, str(RECORD), "--out", str(out), "--item", item, "--name", "launch",
          "--commit", "0123456789ab", "--", *command],
         capture_output=True,
         text=True,
@@ -228,6 +230,29 @@ def test_ingest_writes_the_dated_json_and_a_row(recorded_folder: Path, tmp_path:
     assert "sglang-cuda" in row and "`0123456789ab`" in row and "| cpu |" in row and target.name in row
     ingest([recorded_folder], docs)
     assert (docs / "gpu-results.md").read_text().count("| sglang-cuda |") == 2  # appended, header once
+
+
+def test_ingest_publishes_the_calibrate_items_profile(tmp_path: Path) -> None:
+    """The profile the Qwen3-8B calibrate item writes lands where the synthetic item's plan reads it; a file
+    that is not a profile is refused by name, and a failed run publishes nothing."""
+    item = "qwen3-8b-dummy-calibrate"
+    profile = make_profile()
+    measured = tmp_path / "measured.json"
+    measured.write_text(profile.model_dump_json())
+    into = "os.path.join(os.environ['RESULTS'], 'profile.json')"
+    write = f"import os, shutil; shutil.copy({str(measured)!r}, {into})"
+    assert _record(tmp_path / "run", sys.executable, "-c", write, item=item).returncode == 0
+    docs = tmp_path / "docs"
+    ingest([tmp_path / "run"], docs)
+    published = docs / Path(plans.QWEN3_8B_PROFILE).name
+    assert load_profile(published) == profile
+    (tmp_path / "run" / "profile.json").write_text('{"not": "a profile"}')
+    with pytest.raises(IngestError, match=r"run/profile\.json: not a calibration profile"):
+        ingest([tmp_path / "run"], tmp_path / "docs2")
+    failing = f"{write}; raise SystemExit(1)"
+    assert _record(tmp_path / "failed", sys.executable, "-c", failing, item=item).returncode == 1
+    ingest([tmp_path / "failed"], tmp_path / "docs3")
+    assert not (tmp_path / "docs3" / published.name).exists()
 
 
 def test_ingest_refuses_a_folder_without_meta(tmp_path: Path) -> None:

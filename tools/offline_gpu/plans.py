@@ -33,6 +33,7 @@ from offline_gpu import REPO_ROOT
 from offline_gpu.gpu_bundle import MANIFEST as BUNDLE_MANIFEST
 from offline_gpu.gpu_bundle import folder_bytes
 from offline_gpu.gpu_carry import CALL_LIMIT_BYTES, MANIFEST_NAME, MANIFEST_RESERVE_BYTES, MARGIN_BYTES
+from offline_gpu.results import PUBLISHED_PROFILES
 
 MIB = 2**20
 STARTUP_S = 120
@@ -75,7 +76,7 @@ DEMO_DRAFTER = "models/smollm2-135m-instruct-dflash"
 PROMPTS = "/tmp/bastion-carry/prompts.jsonl"
 QWEN3_8B_CONFIG = "tools/offline_gpu/models/qwen3-8b"
 QWEN3_8B_DRAFTER = "/tmp/qwen3-8b-dflash-b16"
-QWEN3_8B_PROFILE = "docs/benchmarks/qwen3-8b-dummy-profile.json"
+QWEN3_8B_PROFILE = f"docs/benchmarks/{PUBLISHED_PROFILES['qwen3-8b-dummy-calibrate'][1]}"
 DFLASH_ACCEPTANCE = "tools/offline_gpu/profiles/qwen3-8b-dflash-b16-gsm8k.json"
 """The synthetic acceptance profile of z-lab's Qwen3-8B-DFlash-b16 on GSM8K (written by fit_acceptance.py)."""
 CONCURRENCIES = (1, 8, 32)
@@ -453,7 +454,7 @@ step kind of ar, chain and adaptive at concurrency 1, 8 and 32."""
 
 
 def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
-    """Part "calibrate": `bastion calibrate --engine sglang` with CUDA graphs; "anatomy-c1-c8" and
+    """Part "calibrate": `bastion calibrate --engine sglang` (eager verify passes); "anatomy-c1-c8" and
     "anatomy-c32": the step anatomy of ar, chain and adaptive (stage times from `bastion bench`, and with c32
     the ops and syncs of `bastion step-anatomy` at every concurrency)."""
     name = f"qwen3-8b-dummy-{part}"
@@ -490,7 +491,7 @@ def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
         "8B-shaped target without weights (Qwen3-8B config, --load-format dummy) and a random "
         "Qwen3-8B-DFlash-b16-shaped drafter: "
         + (
-            "bastion calibrate --engine sglang with CUDA graphs"
+            "bastion calibrate --engine sglang (eager verify passes)"
             if part == "calibrate"
             else f"step anatomy of ar, chain and adaptive at {part.removeprefix('anatomy-')}"
         )

@@ -6,7 +6,9 @@ or more such folders of one item into
 
 - a dated JSON `docs/benchmarks/<date>-<item>-<device>.json` (`IngestedItem`): every command's meta with
   every JSON file it wrote, parsed, so each figure sits beside its command, device and commit;
-- one row per command in `docs/benchmarks/gpu-results.md` (created with its header when absent).
+- one row per command in `docs/benchmarks/gpu-results.md` (created with its header when absent);
+- a calibration profile a later item plans with (`PUBLISHED_PROFILES`), validated and copied to its fixed
+  name under `docs/benchmarks/` from the successful run that wrote it.
 
 A folder without a valid `meta.json` is refused with an `IngestError` naming the file and the field.
 
@@ -40,6 +42,10 @@ beside its outcome; every figure it produced is in the dated JSON the row links 
 | date | item | command | device | commit | versions | wall s | exit | last output line | JSON |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 """
+
+
+PUBLISHED_PROFILES = {"qwen3-8b-dummy-calibrate": ("profile.json", "qwen3-8b-dummy-profile.json")}
+"""item: (the profile a run writes into its results folder, its name under docs/benchmarks/)."""
 
 
 class IngestError(ValueError):
@@ -176,7 +182,32 @@ def ingest(folders: Sequence[Path], docs_dir: Path = DOCS_DIR) -> Path:
     with page.open("a") as handle:
         for run in runs:
             handle.write(table_row(run.meta, run.last_line, target.name))
+    publish_profile(folders, runs, docs_dir)
     return target
+
+
+def publish_profile(folders: Sequence[Path], runs: Sequence[IngestedRun], docs_dir: Path) -> Path | None:
+    """Copy the item's published profile (`PUBLISHED_PROFILES`) from the successful run that wrote it into
+    `docs_dir`; its path, or None when the item publishes none or no successful run wrote it. IngestError
+    naming the file when it is not a valid calibration profile."""
+    from bastion_sglang.controller.profile import ProfileError, load_profile
+
+    published = PUBLISHED_PROFILES.get(runs[0].meta.item)
+    if published is None:
+        return None
+    written, name = published
+    for folder, run in zip(folders, runs, strict=True):
+        source = folder / written
+        if run.meta.returncode != 0 or not source.is_file():
+            continue
+        try:
+            load_profile(source)
+        except ProfileError as error:
+            raise IngestError(f"{source}: not a calibration profile: {error}") from error
+        target = docs_dir / name
+        target.write_text(source.read_text())
+        return target
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
