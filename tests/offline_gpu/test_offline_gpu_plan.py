@@ -45,7 +45,7 @@ def test_items_in_order(items: tuple[plans.Item, ...]) -> None:
     names = [item.name for item in items]
     assert names[0] == "sglang-cuda" and names[-1] == "controller-bench"
     assert names.index("demo-pair-c1-a") < names.index("qwen3-8b-dummy-calibrate")
-    assert names.index("qwen3-8b-dummy-calibrate") < names.index("qwen3-8b-synthetic")
+    assert names.index("qwen3-8b-dummy-calibrate") < names.index("qwen3-8b-synthetic-c1")
     assert len(set(names)) == len(names)
 
 
@@ -164,7 +164,7 @@ def test_carry_bounds_hold_the_gguf() -> None:
 
 def test_plan_prints_an_item() -> None:
     result = subprocess.run(
-        [str(ROOT / "tools" / "offline_gpu" / "plan"), "qwen3-8b-synthetic"],
+        [str(ROOT / "tools" / "offline_gpu" / "plan"), "qwen3-8b-synthetic-c1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -434,11 +434,17 @@ MAKE_DRAFTER = (
 )
 
 
+QWEN3_8B_PROMPTS = {1: 16, 8: 64, 32: 64}
+"""Random prompts per Qwen3-8B bench run at each concurrency: at c1 16 (2048 tokens, about 15 s of plain
+decoding), else 64 (8 batches at c8, 2 at c32)."""
+
+
 def qwen3_8b_anatomy(concurrency: int, policies: str) -> str:
     """`bastion bench` of the dummy-weight pair: its "ms per decode step" table is the stage anatomy (draft,
     plan, verify, accept, commit, other) of each policy at this concurrency."""
     return (
-        f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} --random-prompts 64 "
+        f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} "
+        f"--random-prompts {QWEN3_8B_PROMPTS[concurrency]} "
         f"--max-new-tokens 128 --ignore-eos --temperatures 0 --repeats 1 --concurrency {concurrency} "
         f"--max-budget 256 --policies {policies} --out $RESULTS/anatomy-c{concurrency}"
     )
@@ -499,36 +505,34 @@ def qwen3_8b_dummy(commit: str, sizes: Sizes, part: str) -> Item:
     return Item(name, title, (BUILD_BUNDLE,), tuple(commands))
 
 
-def qwen3_8b_synthetic(commit: str, sizes: Sizes) -> Item:
-    name = "qwen3-8b-synthetic"
+SYNTHETIC_POLICIES = "ar,chain,fixed:64,adaptive"
+
+
+def qwen3_8b_synthetic(commit: str, sizes: Sizes, part: str) -> Item:
+    """Part "c1", "c8" or "c32" (one concurrency per lending: four Engines of an 8B target fill one):
+    `bastion bench` of ar, chain, fixed:64 and adaptive on the dummy-weight pair, the BASTION Engines planning
+    with the calibrate item's profile and accepting by the published GSM8K profile
+    (`--synthetic-acceptance`)."""
+    name = f"qwen3-8b-synthetic-{part}"
     needs = (f"{QWEN3_8B_CONFIG}/config.json", "benchmarks/calibrate_gpu.py")
     needs += (QWEN3_8B_PROFILE, DFLASH_ACCEPTANCE)
 
     def bench(concurrency: int) -> str:
         return (
-            f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} --random-prompts 64 "
-            f"--max-new-tokens 128 --ignore-eos --temperatures 0 --repeats 1 --concurrency {concurrency} "
-            f"--max-budget 256 --policies fixed:64,adaptive --bastion-profile {QWEN3_8B_PROFILE} "
+            f"{BENCH} {QWEN3_8B_DUMMY} --draft-model-path {QWEN3_8B_DRAFTER} "
+            f"--random-prompts {QWEN3_8B_PROMPTS[concurrency]} --max-new-tokens 128 --ignore-eos "
+            f"--temperatures 0 --repeats 1 --concurrency {concurrency} --max-budget 256 "
+            f"--policies {SYNTHETIC_POLICIES} --bastion-profile {QWEN3_8B_PROFILE} "
             f"--synthetic-acceptance {DFLASH_ACCEPTANCE} --out $RESULTS/synthetic-c{concurrency}"
         )
 
-    first = f"{MAKE_DRAFTER} && {bench(1)}"
-    commands = _setup_commands(name, commit, sizes, first, 60 + 2 * QWEN3_8B_ENGINE_RUN_S, needs, False)
-    commands += [
-        GpuCommand(
-            f"synthetic-c{c}",
-            (),
-            recorded(name, f"synthetic-c{c}", commit, f"{SGLANG_ENV} && {bench(c)}"),
-            needs,
-            MAX_LIMIT_S,
-            2 * QWEN3_8B_ENGINE_RUN_S,
-        )
-        for c in CONCURRENCIES[1:]
-    ]
+    engines_s = len(SYNTHETIC_POLICIES.split(",")) * QWEN3_8B_ENGINE_RUN_S
+    first = f"{MAKE_DRAFTER} && {bench(int(part.removeprefix('c')))}"
+    commands = _setup_commands(name, commit, sizes, first, 60 + engines_s, needs, False)
     missing = (f"{QWEN3_8B_PROFILE} (ingested from qwen3-8b-dummy-calibrate)",)
     title = (
-        "trees at real 8B step costs (the qwen3-8b-dummy profile) with a drafter seam reproducing a "
-        "published acceptance profile: fixed:64 and adaptive at concurrency 1, 8, 32"
+        "trees at real 8B step costs (the qwen3-8b-dummy profile) with the published acceptance of z-lab's "
+        f"Qwen3-8B-DFlash-b16 on GSM8K (synthetic): {SYNTHETIC_POLICIES} at {part}"
     )
     return Item(name, title, (BUILD_BUNDLE,), tuple(commands), missing)
 
@@ -561,7 +565,7 @@ def all_items(commit: str, sizes: Sizes) -> tuple[Item, ...]:
         demo_step_anatomy(commit, sizes),
         *(demo_dflash2_pair(commit, sizes, c) for c in (1, 8)),
         *(qwen3_8b_dummy(commit, sizes, part) for part in ("calibrate", "anatomy-c1-c8", "anatomy-c32")),
-        qwen3_8b_synthetic(commit, sizes),
+        *(qwen3_8b_synthetic(commit, sizes, f"c{c}") for c in CONCURRENCIES),
         controller_bench(commit, sizes),
     )
 
