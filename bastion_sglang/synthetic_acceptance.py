@@ -12,8 +12,10 @@ otherwise propose nothing the target accepts. It replaces both ends of what acce
   row's own argmax where the draw took no candidate, or past the draft: with random weights it is one of
   the candidates about K_p / V of the time). The accept walk, the commit and everything after run as always.
 
-The planner's Â is then exactly the expected accepted length (independent positions, as it assumes), and
-the tokens emitted are not the target's: a benchmark of speed only, never a server's output.
+The planner's Â is then the expected accepted length (independent positions, as it assumes; it also gives
+each other id its share of what q leaves, (1 - Σ q) / (V - K_p), which the draw never takes: a difference of
+that size per node), and the tokens emitted are not the target's: a benchmark of speed only, never a
+server's output.
 
 The profile file (`synthetic_profile.SyntheticAcceptanceProfile`) holds q for positions 1..D; deeper positions
 take row D.

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from bastion_sglang import kernels
 from bastion_sglang.controller.tree import build_tree, expected_accept_length
 from bastion_sglang.synthetic_acceptance import SyntheticDraft, synthetic_targets, true_tokens
 from bastion_sglang.synthetic_profile import SyntheticAcceptanceProfile, load_synthetic_profile
@@ -130,3 +132,42 @@ def test_committed_profiles_are_what_their_script_writes(tmp_path: Path) -> None
     assert written == ["qwen3-8b-dflash-b16-gsm8k.json", "qwen3-8b-dflash-b16-mtbench.json"]
     for name in written:
         assert (tmp_path / name).read_text() == (PROFILES / name).read_text()
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """B copies of one best-first tree, as `kernels.flatten_trees` reads them."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+
+
+FALLING = _profile([[0.95 - 0.05 * d, 0.03, 0.01] for d in range(DEPTH)])
+"""Acceptance that falls with the position: a draw read at the wrong position changes the mean."""
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+@pytest.mark.parametrize("name", ["gsm8k", "falling"])
+def test_the_accept_walk_realises_the_planners_expected_length(name: str, budget: int) -> None:
+    """The whole seam on many requests: the rewritten draft's top-K, the best-first tree the planner builds
+    from it, the true continuations drawn over its candidates, and the real accept walk: the mean accepted
+    length is the tree's Â (within four standard errors)."""
+    path = PROFILES / "qwen3-8b-dflash-b16-gsm8k.json"
+    profile = load_synthetic_profile(path) if name == "gsm8k" else FALLING
+    requests, vocab, ranks = 8_000, 256, 8  # vocab: every other id stays below the last rank
+    draft = SyntheticDraft(profile)
+    logits = -torch.arange(vocab, dtype=torch.float32).expand(requests, DEPTH, vocab)  # ids 0..7 the best
+    top = kernels.topk_logprobs(draft([], logits, [0] * requests), min(ranks, len(profile.rank_probs[0])))
+    tree = build_tree(top.logprobs[0], top.token_ids[0], budget)
+    expected = expected_accept_length(tree)
+    copies = _Rows(*(part.expand(requests, -1) for part in (tree.tokens, tree.parents, tree.depths)))
+    rows = kernels.flatten_trees(copies, torch.full((requests,), vocab - 1), budget + 1)
+    ancestors = kernels.build_verify_layout(rows, torch.zeros(requests, dtype=torch.int64)).ancestor_mask
+    uniforms = torch.rand((requests, DEPTH), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    truth = true_tokens(draft.candidates, profile.probs(DEPTH), uniforms)
+    off_draft = torch.full_like(rows.tokens, vocab - 2)  # the target's own token: never a candidate here
+    accepted = kernels.accept_paths(rows, ancestors, synthetic_targets(truth, rows.depths, off_draft))
+    lengths = accepted.commit_lens.double()
+    error = 4 * float(lengths.std()) / requests**0.5
+    assert float(lengths.mean()) == pytest.approx(expected, abs=error)
