@@ -49,6 +49,14 @@ class SyntheticDraft:
         self.profile = profile
         self.candidates: torch.Tensor | None = None
         self._logq: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._q: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def q(self, depth: int, device: torch.device) -> torch.Tensor:
+        """[depth, K_p] float64 q of draft positions 1..depth on `device` (made once per depth)."""
+        key = (depth, device)
+        if key not in self._q:
+            self._q[key] = self.profile.probs(depth).to(device)
+        return self._q[key]
 
     def log_probs(self, depth: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """([depth, K_p] log q, [depth, 1] log of each other token's share) as float32 on `device`."""
@@ -101,7 +109,6 @@ class SyntheticAcceptor(Acceptor):
         self._draft = draft
         self._seed = seed
         self._generator: torch.Generator | None = None
-        self._q: torch.Tensor | None = None
 
     def target_tokens(
         self,
@@ -121,8 +128,6 @@ class SyntheticAcceptor(Acceptor):
         if self._generator is None:
             self._generator = torch.Generator(device=device).manual_seed(self._seed)
         bs, horizon = candidates.shape[:2]
-        if self._q is None or self._q.shape[0] != horizon:
-            self._q = self._draft.profile.probs(horizon).to(device)
         uniforms = torch.rand((bs, horizon), generator=self._generator, device=device, dtype=torch.float64)
-        truth = true_tokens(candidates, self._q, uniforms)
+        truth = true_tokens(candidates, self._draft.q(horizon, device), uniforms)
         return synthetic_targets(truth, rows.depths, tokens), probs
