@@ -9,7 +9,7 @@ def register() -> None:
     the hook through which `bastion step-anatomy` counts a scheduler process's decode steps (it counts
     nothing unless the process's arguments ask for it)."""
     from bastion_sglang.registration import register_algorithm
-    from bastion_sglang.step_anatomy_hooks import register_step_anatomy
+    from bastion_sglang.step.step_anatomy_hooks import register_step_anatomy
 
     register_algorithm()
     register_step_anatomy()

@@ -12,7 +12,7 @@ import logging
 import sys
 
 SUBCOMMANDS: dict[str, str] = {
-    "demo": "bastion_sglang.demo",
+    "demo": "bastion_sglang.demo.target",
     "train-drafter": "bastion_sglang.training.cli",
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",

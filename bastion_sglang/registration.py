@@ -7,20 +7,20 @@ How the pieces reach SGLang (all through its plugin API, `sglang.srt.plugins`):
   `ServerArgs.from_cli_args`, turn them into a validated `BastionConfig` stored on the ServerArgs record
   (attribute `_bastion_config`). The record is pickled into every scheduler process with its bookkeeping
   attributes, so the worker reads the same object. Python callers attach one with `attach_config`.
-- `bastion_sglang.cpu_support`, only in a process that serves BASTION on the CPU: its import placeholders
-  before SGLang resolves the server arguments (a hook on `ServerArgs.resolve_once`), and its CPU stand-ins
-  in the scheduler process (a hook on `Scheduler.__init__`). A process that loads the plugin but serves
-  another algorithm, or BASTION on CUDA, gets neither.
+- `bastion_sglang.integration.cpu_support`, only in a process that serves BASTION on the CPU: its import
+  placeholders before SGLang resolves the server arguments (a hook on `ServerArgs.resolve_once`), and its CPU
+  stand-ins in the scheduler process (a hook on `Scheduler.__init__`). A process that loads the plugin but
+  serves another algorithm, or BASTION on CUDA, gets neither.
 - The attention backend: a resolution hook (SGLang's `register_resolution_hook`) around the pipeline's
   `handle_cpu_backends` step, the first that fills in a default backend, chooses one BASTION can verify
   trees with when `--attention-backend` is not given (`choose_attention_backend`), and refuses a named one
   it cannot use, before SGLang's own default (fa3 on Hopper) is filled in.
 - A hook on SGLang's per-request DFlash check refuses, per request, the parameters BASTION cannot honour
-  exactly (`bastion_sglang.request_support`).
+  exactly (`bastion_sglang.integration.request_support`).
 - A hook on `ModelRunner._decode_cuda_graph_runner_cls` gives BASTION's target its own verify graph runner
-  (`bastion_sglang.graphs`: captured with the tree mask, one per width bucket).
+  (`bastion_sglang.step.graphs`: captured with the tree mask, one per width bucket).
 - A hook on the scheduler's output streamer writes BASTION's held metrics before a finished request's
-  output leaves (`bastion_sglang.metrics`: writes are batched over decode steps).
+  output leaves (`bastion_sglang.step.metrics`: writes are batched over decode steps).
 
 This module is the only place where SGLang server arguments are mapped to `BastionConfig`.
 """
@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from bastion_sglang.config import (
+from bastion_sglang.controller import BudgetPolicy, parse_policy
+from bastion_sglang.integration.config import (
     ALGORITHM,
     CHOSEN_BACKENDS,
     CPU_ATTENTION_BACKEND,
@@ -50,7 +51,6 @@ from bastion_sglang.config import (
     default_startup_calibration,
     default_width_buckets,
 )
-from bastion_sglang.controller import BudgetPolicy, parse_policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.overlap_utils import FutureMap
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from bastion_sglang.drafter_config import SelectorConfig
+    from bastion_sglang.integration.drafter_config import SelectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def _prepare_cpu_serving(server_args: Any) -> None:
     serve BASTION on the CPU, install `cpu_support`'s import placeholders (resolution imports SGLang's model
     configs). Reads the arguments as given (device None: auto-detection). Returns None, so the arguments pass
     through unchanged."""
-    from bastion_sglang import cpu_support
+    from bastion_sglang.integration import cpu_support
 
     cpu_support.prepare_cpu_serving(server_args)
 
@@ -355,7 +355,7 @@ def _scheduler_init_hook(scheduler: Any, server_args: Any, *args: Any, **kwargs:
 
     Returns None, so the arguments pass through unchanged.
     """
-    from bastion_sglang import cpu_support
+    from bastion_sglang.integration import cpu_support
 
     cpu_support.prepare_scheduler_process(server_args)
 
@@ -364,7 +364,7 @@ def _flush_metrics_before_output(streamer: Any, reqs: Any, *args: Any, **kwargs:
     """BEFORE hook of `SchedulerOutputStreamer.stream_output(self, reqs, ...)`: when a request of `reqs` has
     finished, write BASTION's held metrics first (`metrics.flush_all`), so a client that has its response
     reads series that include its last steps. Returns None, so the arguments pass through unchanged."""
-    from bastion_sglang.metrics import flush_all
+    from bastion_sglang.step.metrics import flush_all
 
     if any(req.finished() for req in reqs):
         flush_all()
@@ -377,14 +377,14 @@ def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bo
     error = original(req, enable_overlap)
     if error is not None or not _serving_bastion():
         return error
-    from bastion_sglang.request_support import unsupported_parameter
+    from bastion_sglang.integration.request_support import unsupported_parameter
 
     return unsupported_parameter(req)
 
 
 def _serving_bastion() -> bool:
     """Whether this scheduler process serves `--speculative-algorithm BASTION`."""
-    from bastion_sglang import sglang_adapter as sgl
+    from bastion_sglang.integration import sglang_adapter as sgl
 
     return str(sgl.get_spec().speculative_algorithm or "").upper() == ALGORITHM
 
@@ -394,7 +394,7 @@ def _verify_graph_runner_class(runner_class: type, model_runner: Any) -> type | 
     its verify graphs with `graphs.BastionVerifyGraphRunner` (tree mask; the largest width bucket), every
     other runner keeps SGLang's class (None)."""
     if isinstance(model_runner.spec_algorithm, BastionSpecAlgo) and not model_runner.is_draft_worker:
-        from bastion_sglang.graphs import BastionVerifyGraphRunner
+        from bastion_sglang.step.graphs import BastionVerifyGraphRunner
 
         return BastionVerifyGraphRunner
     return None
@@ -445,7 +445,7 @@ class BastionSpecAlgo(CustomSpecAlgo):
         """SGLang's future map, always with host sequence lengths: under overlap scheduling the worker plans
         each step from the committed lengths on the host (`needs_cpu_seq_lens` from the attention backends is
         not enough: a backend that opts out would leave `seq_lens_cpu` None)."""
-        from bastion_sglang import sglang_adapter as sgl
+        from bastion_sglang.integration import sglang_adapter as sgl
 
         return sgl.future_map(device, self, req_to_token_pool, True, needs_confidence_relay)
 
@@ -453,7 +453,7 @@ class BastionSpecAlgo(CustomSpecAlgo):
         """Target verify: the width cap N_max + 1. The drafter's TARGET_VERIFY forward: its block size."""
         if not is_draft_worker:
             return num_draft_tokens
-        from bastion_sglang import sglang_adapter as sgl
+        from bastion_sglang.integration import sglang_adapter as sgl
 
         return int(sgl.get_spec().speculative_dflash_block_size)
 
@@ -492,7 +492,7 @@ def handle_server_args(server_args: Any) -> None:
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     from bastion_sglang.controller.profile import load_profile
-    from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits
+    from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
 
     config = config_of(server_args)
     cfg = server_args

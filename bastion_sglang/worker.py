@@ -28,27 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang.accept import Acceptor, RowLogits, is_greedy
 from bastion_sglang.calibration.startup import StartupCalibration
-from bastion_sglang.commit import DraftContextWriter, TreeCommit, attach_logprobs, kv_copy_seconds_per_token
-from bastion_sglang.config import BastionConfig, config_of
-from bastion_sglang.draft_context import ContextRows
-from bastion_sglang.draft_protocols import DraftLogitsRewriter, load_draft_logits_rewriter
-from bastion_sglang.drafter_forward import DrafterForward
-from bastion_sglang.graph_buckets import planning_widths, real_rows
-from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.lattice_plan import plan_draft
-from bastion_sglang.metrics import BastionMetrics, scheduler_metric_labels
-from bastion_sglang.planning_setup import worker_step_controller
-from bastion_sglang.prefill_redraw import PrefillRedraw
-from bastion_sglang.rank_sync import DraftHead, RankSync, scheduler_group
-from bastion_sglang.request_outputs import (
-    attach_prefill_hidden_states,
-    attach_sampling_masks,
-    attach_step_hidden_states,
-    capture_final_hidden_states,
-)
-from bastion_sglang.sglang_adapter import (
+from bastion_sglang.integration.config import BastionConfig, config_of
+from bastion_sglang.integration.sglang_adapter import (
     DFlashWorkerV2,
     GenerationBatchResult,
     get_exec,
@@ -57,11 +39,34 @@ from bastion_sglang.sglang_adapter import (
     get_schedule,
     get_spec,
 )
-from bastion_sglang.spec_input import BastionDraftInput
-from bastion_sglang.step_controller import StepController, StepPlan, StepRecord, StepStart
-from bastion_sglang.synthetic_acceptance import SyntheticAcceptor, SyntheticDraft
-from bastion_sglang.synthetic_profile import load_synthetic_profile
-from bastion_sglang.target_forward import DecodeInputs, TargetForward, TreePass
+from bastion_sglang.kernels.types import DraftLattice, DraftTopK
+from bastion_sglang.step.accept import Acceptor, RowLogits, is_greedy
+from bastion_sglang.step.commit import (
+    DraftContextWriter,
+    TreeCommit,
+    attach_logprobs,
+    kv_copy_seconds_per_token,
+)
+from bastion_sglang.step.draft_context import ContextRows
+from bastion_sglang.step.draft_protocols import DraftLogitsRewriter, load_draft_logits_rewriter
+from bastion_sglang.step.drafter_forward import DrafterForward
+from bastion_sglang.step.graph_buckets import planning_widths, real_rows
+from bastion_sglang.step.lattice_plan import plan_draft
+from bastion_sglang.step.metrics import BastionMetrics, scheduler_metric_labels
+from bastion_sglang.step.planning_setup import worker_step_controller
+from bastion_sglang.step.prefill_redraw import PrefillRedraw
+from bastion_sglang.step.rank_sync import DraftHead, RankSync, scheduler_group
+from bastion_sglang.step.request_outputs import (
+    attach_prefill_hidden_states,
+    attach_sampling_masks,
+    attach_step_hidden_states,
+    capture_final_hidden_states,
+)
+from bastion_sglang.step.spec_input import BastionDraftInput
+from bastion_sglang.step.step_controller import StepController, StepPlan, StepRecord, StepStart
+from bastion_sglang.step.synthetic_acceptance import SyntheticAcceptor, SyntheticDraft
+from bastion_sglang.step.synthetic_profile import load_synthetic_profile
+from bastion_sglang.step.target_forward import DecodeInputs, TargetForward, TreePass
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

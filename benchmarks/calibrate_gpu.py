@@ -47,7 +47,7 @@ from bastion_sglang.controller.latency import (
 )
 from bastion_sglang.controller.profile import StepCosts, load_profile
 from bastion_sglang.controller.roofline import HardwareSpec, RooflineModel, lookup_gpu
-from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
+from bastion_sglang.integration.drafter_config import DrafterConfig, default_target_layer_ids
 from bastion_sglang.reference import DFlashDrafter
 
 MAX_WIDTH = 1024

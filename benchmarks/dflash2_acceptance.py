@@ -32,11 +32,11 @@ import torch
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
+from bastion_sglang.assets.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
 from bastion_sglang.controller.policies import BudgetPolicy, ChainPolicy, FixedPolicy
 from bastion_sglang.controller.roofline import CPU_HARDWARE
-from bastion_sglang.demo import demo_target_dir
-from bastion_sglang.demo_drafters import assemble_dflash2
-from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
+from bastion_sglang.demo.drafters import assemble_dflash2
+from bastion_sglang.demo.target import demo_target_dir
 from bastion_sglang.reference import ReferenceEngine
 
 ROOT = Path(__file__).resolve().parents[1]

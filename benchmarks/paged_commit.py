@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang.commit import TreeCommit, kv_copy_seconds_per_token
-from bastion_sglang.cpu_support import install_bastion_stand_ins
-from bastion_sglang.timing import time_op
+from bastion_sglang.integration.cpu_support import install_bastion_stand_ins
+from bastion_sglang.step.commit import TreeCommit, kv_copy_seconds_per_token
+from bastion_sglang.step.timing import time_op
 
 POOL_SLOTS = 8192
 """Slots of the benchmark's KV pool (the exactness tests' --max-total-tokens)."""

@@ -40,7 +40,6 @@ import transformers
 from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3Config
 
-from bastion_sglang.config import default_width_buckets
 from bastion_sglang.controller import AdaptivePolicy, build_tree, build_trees
 from bastion_sglang.controller.latency import (
     FitReport,
@@ -61,7 +60,8 @@ from bastion_sglang.controller.roofline import (
     RooflineModel,
     lookup_gpu,
 )
-from bastion_sglang.drafter_config import DrafterConfig, default_target_layer_ids
+from bastion_sglang.integration.config import default_width_buckets
+from bastion_sglang.integration.drafter_config import DrafterConfig, default_target_layer_ids
 from bastion_sglang.kernels import topk_logprobs
 from bastion_sglang.reference import DFlashDrafter, TargetModel, load_causal_lm
 from bastion_sglang.reference.pair_bench import (
@@ -70,7 +70,7 @@ from bastion_sglang.reference.pair_bench import (
     format_table,
     run_pair_bench,
 )
-from bastion_sglang.timing import StageTimer, synchronize
+from bastion_sglang.step.timing import StageTimer, synchronize
 
 QWEN3_8B = dict(
     vocab_size=151936,

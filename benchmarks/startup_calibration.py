@@ -37,10 +37,10 @@ from pydantic import BaseModel
 from bastion_sglang.calibration.acceptance_fit import AcceptanceSettings, prompt_token_ids
 from bastion_sglang.calibration.acceptance_run import PLANNING_HARDWARE, records_of_generation
 from bastion_sglang.calibration.store import STORE_ENV, ProfileStore
-from bastion_sglang.config import CHOSEN_BACKENDS
 from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceRecord, evaluate_acceptance
 from bastion_sglang.controller.policies import FixedPolicy
 from bastion_sglang.controller.profile import CalibrationProfile, load_profile
+from bastion_sglang.integration.config import CHOSEN_BACKENDS
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DEMO_DRAFTER = REPOSITORY / "models" / "smollm2-135m-instruct-dflash"
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--held-out-num", type=int, default=24)
     args = parser.parse_args()
     if args.model_path is None:
-        from bastion_sglang.demo import setup_demo_target
+        from bastion_sglang.demo.target import setup_demo_target
 
         args.model_path = str(setup_demo_target(None).path)
     device = "cuda" if torch.cuda.is_available() else "cpu"

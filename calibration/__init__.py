@@ -15,7 +15,7 @@ Server side (imported at start-up, no measurement code loaded):
 
 Modules: `identity` (what a profile is for), `store`, `lookup`, `cli` / `profile_cli` (the commands),
 `microbench` (peaks), `sweep` (grid and measurements), `engines` (reference / SGLang back ends, with
-`sglang_runner` and `random_inputs`), `fitting`, `plot`; operations are timed by `bastion_sglang.timing`.
+`sglang_runner` and `random_inputs`), `fitting`, `plot`; operations are timed by `bastion_sglang.step.timing`.
 """
 
 from bastion_sglang.calibration.identity import RuntimeIdentity, device_name, dtype_name, model_config_hash

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bastion_sglang.config import DEFAULT_TOPK
 from bastion_sglang.controller.acceptance import (
     AcceptanceCalibration,
     AcceptanceReport,
@@ -26,6 +25,7 @@ from bastion_sglang.controller.acceptance import (
     evaluate_acceptance,
     fit_acceptance,
 )
+from bastion_sglang.integration.config import DEFAULT_TOPK
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def prompt_token_ids(model_path: str | Path, settings: AcceptanceSettings) -> li
     the target tokenizer's chat template, skipping those longer than `max_prompt_tokens`."""
     from transformers import AutoTokenizer
 
-    from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts
+    from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
 
     split = "all" if Path(settings.prompt_set).suffix == ".jsonl" else "heldout"
     prompts = load_prompts(settings.prompt_set, split=split)

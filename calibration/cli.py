@@ -55,10 +55,10 @@ from bastion_sglang.calibration.sweep import (
     measure_verify_grid,
     width_grid,
 )
-from bastion_sglang.config import CHOSEN_BACKENDS
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, ProfileMetadata, save_profile
 from bastion_sglang.controller.roofline import ModelShape, RooflineModel
+from bastion_sglang.integration.config import CHOSEN_BACKENDS
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ class ReferenceMeasurement:
         max_context: int,
         max_width: int,
     ) -> None:
-        from bastion_sglang.drafter_config import check_drafter_fits
+        from bastion_sglang.integration.drafter_config import check_drafter_fits
         from bastion_sglang.reference import DFlashDrafter, DFlashProposer, TargetModel, load_causal_lm
 
         if attention_backend not in REFERENCE_BACKENDS:

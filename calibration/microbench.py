@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
 from bastion_sglang.calibration.identity import dtype_name
 from bastion_sglang.controller.roofline import HardwareSpec, lookup_gpu
-from bastion_sglang.timing import time_op
+from bastion_sglang.step.timing import time_op
 
 MATMUL_SIZES: dict[str, tuple[int, ...]] = {"cuda": (4096, 8192), "cpu": (512, 1024)}
 """n of the n×n GEMMs per device type."""

@@ -92,7 +92,7 @@ class SglangMeasurement:
     def set_context(self, context: int) -> None:
         from sglang.benchmark.one_batch import extend, prepare_synthetic_inputs_for_latency_test
 
-        from bastion_sglang.draft_protocols import DraftInput
+        from bastion_sglang.step.draft_protocols import DraftInput
 
         runner = self._runner
         runner.req_to_token_pool.clear()
@@ -101,12 +101,10 @@ class SglangMeasurement:
         tokens = generator.integers(0, self._vocab, context + 1).tolist()
         reqs = prepare_synthetic_inputs_for_latency_test(1, context, custom_inputs=[tokens[:context]])
         _, _, batch = extend(reqs, runner)
-        slots = runner.token_to_kv_pool_allocator.alloc(self._max_width)
+        slots = extend_slots(runner, batch.req_pool_indices.tolist(), [context], self._max_width)
         if slots is None:
             raise ValueError(f"SGLang's KV pool cannot hold {context} + {self._max_width} tokens")
-        rows = batch.req_pool_indices.to(torch.int64)
-        pool = runner.req_to_token_pool.req_to_token
-        pool[rows, context : context + self._max_width] = slots.to(pool.dtype)
+        slots = slots[0]
         self._batch, self._context, self._slots = batch, context, slots.to(torch.int64)
         self._prefix = batch.seq_lens.clone()
         self._prefix_cpu = batch.seq_lens_cpu.clone()
@@ -127,7 +125,7 @@ class SglangMeasurement:
     def draft(self, k: int) -> DraftTopK:
         """One drafter pass after the context: DraftTopK [1, D, k]; for a DFlash2 drafter its lattice's unary
         [1, D, K] (K: the selector's top_k), the selector timed with the pass."""
-        from bastion_sglang.draft_protocols import DraftInput
+        from bastion_sglang.step.draft_protocols import DraftInput
 
         proposal = self._proposer.propose(DraftInput(self._committed, self._no_features), k)
         return proposal if isinstance(proposal, DraftTopK) else proposal.unary
@@ -140,7 +138,7 @@ class SglangMeasurement:
     @torch.no_grad()
     def verify(self, rows: TreeBatch, layout: VerifyLayout) -> None:
         from bastion_sglang import kernels
-        from bastion_sglang.spec_input import prepare_verify_forward
+        from bastion_sglang.step.spec_input import prepare_verify_forward
 
         batch = self._require_batch()
         mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._context)
@@ -160,7 +158,7 @@ class SglangMeasurement:
 
     @torch.no_grad()
     def decode(self) -> None:
-        from bastion_sglang.sglang_adapter import ForwardBatch, ForwardMode
+        from bastion_sglang.integration.sglang_adapter import ForwardBatch, ForwardMode
 
         batch = self._require_batch()
         batch.forward_mode = ForwardMode.DECODE
@@ -192,8 +190,8 @@ class SglangMeasurement:
         server's request would; no root after it). The KV pools are emptied first and hold these prompts
         afterwards.
         """
-        from bastion_sglang.sglang_adapter import CaptureHiddenMode, ForwardBatch
-        from bastion_sglang.spec_input import plain_decode_forward
+        from bastion_sglang.integration.sglang_adapter import CaptureHiddenMode, ForwardBatch
+        from bastion_sglang.step.spec_input import plain_decode_forward
 
         runner, device = self._runner, self._device
         steps = new_tokens + self._proposer.depth - 1
@@ -208,15 +206,11 @@ class SglangMeasurement:
         features = list(out.hidden_states.split(lengths))  # per prompt [P, F·h], grown by one per step
         firsts = out.next_token_logits[:, : self._vocab].argmax(dim=-1).tolist()
         tokens = [[*prompt, first] for prompt, first in zip(prompts, firsts, strict=True)]
-        slots = runner.token_to_kv_pool_allocator.alloc(len(prompts) * steps)
+        slots = extend_slots(runner, batch.req_pool_indices.tolist(), lengths, steps)
         if slots is None:
             raise ValueError(
                 f"SGLang's KV pool cannot hold {sum(lengths)} prompt tokens and {steps} more each"
             )
-        slots = slots.to(torch.int64).view(len(prompts), steps)
-        pool = runner.req_to_token_pool.req_to_token
-        for row, length, row_slots in zip(batch.req_pool_indices.tolist(), lengths, slots, strict=True):
-            pool[row, length : length + steps] = row_slots.to(pool.dtype)
         prefix = torch.tensor(lengths, dtype=torch.int64, device=device)
         for step in range(steps):
             roots = torch.tensor([row[-1] for row in tokens], dtype=torch.int64, device=device)
@@ -245,7 +239,7 @@ class SglangMeasurement:
     ) -> list[DrafterPass]:
         """`greedy_records` of one prompt: tokens, the prompt and its continuation; features [len, F·h], the
         target's features of every position but the last."""
-        from bastion_sglang.draft_protocols import DraftInput
+        from bastion_sglang.step.draft_protocols import DraftInput
 
         depth = self._proposer.depth
         self._proposer.start(len(tokens) + 1)
@@ -295,6 +289,37 @@ class SglangMeasurement:
         destroy_distributed_environment()
 
 
+def extend_slots(
+    runner: ModelRunner, rows: Sequence[int], lengths: Sequence[int], extra: int
+) -> torch.Tensor | None:
+    """KV slots for `extra` more positions of each request, written into its req_to_token row after its
+    `lengths[i]` cached tokens: [len(rows), extra] int64, or None when the pool cannot hold them.
+
+    With pages of one token any free slots do. With larger pages the new positions continue the request's
+    last page and then take whole pages (SGLang's `alloc_extend`), as a paged attention kernel reads a row
+    (page p of a request at slots row[p * page_size] onwards): a plain `alloc` would hand out whole pages
+    only (none for fewer than a page) and break that layout.
+    """
+    allocator = runner.token_to_kv_pool_allocator
+    pool = runner.req_to_token_pool.req_to_token
+    count = len(rows) * extra
+    if int(allocator.page_size) == 1:
+        flat = allocator.alloc(count)
+    else:
+        prefix_cpu = torch.tensor(list(lengths), dtype=torch.int64)
+        last = torch.tensor([int(pool[row, length - 1]) for row, length in zip(rows, lengths, strict=True)])
+        prefix = prefix_cpu.to(pool.device)
+        flat = allocator.alloc_extend(
+            prefix, prefix_cpu, prefix + extra, prefix_cpu + extra, last.to(pool.device), count
+        )
+    if flat is None:
+        return None
+    slots = flat.to(torch.int64).view(len(rows), extra)
+    for row, length, row_slots in zip(rows, lengths, slots, strict=True):
+        pool[row, length : length + extra] = row_slots.to(pool.dtype)
+    return slots
+
+
 def _prompt_batch(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> ScheduleBatch:
     """An EXTEND batch of one request per prompt on `runner`'s pools, as SGLang's one-batch benchmark builds
     it (no prefix cache), ready for its forward."""
@@ -302,7 +327,7 @@ def _prompt_batch(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> Sche
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from bastion_sglang.sglang_adapter import get_schedule
+    from bastion_sglang.integration.sglang_adapter import get_schedule
 
     inputs = [list(prompt) for prompt in prompts]
     reqs = prepare_synthetic_inputs_for_latency_test(len(inputs), 0, custom_inputs=inputs)

@@ -50,7 +50,7 @@ def open_sglang_measurement(
     ModelRunner) in this process and measure on it. max_context, max_width: the grid's largest context
     and widest verify pass (the KV pool holds both, the BastionConfig's N_max is max_width - 1).
     load_format: SGLang's --load-format (`dummy`: random target weights from its config.json alone)."""
-    from bastion_sglang import sglang_adapter
+    from bastion_sglang.integration import sglang_adapter
 
     sglang_adapter.require(sglang_adapter.MEASUREMENT_INTERNALS)  # one error naming all that moved
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -65,8 +65,8 @@ def open_sglang_measurement(
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     import bastion_sglang
-    from bastion_sglang import cpu_support
-    from bastion_sglang.config import DEFAULT_TOPK
+    from bastion_sglang.integration import cpu_support
+    from bastion_sglang.integration.config import DEFAULT_TOPK
     from bastion_sglang.registration import attach_config, make_config
 
     device = torch.device(device)

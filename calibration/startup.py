@@ -63,10 +63,10 @@ from bastion_sglang.calibration.sweep import (
     measure_verify_grid,
     width_grid,
 )
-from bastion_sglang.config import StartupMode
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, ProfileMetadata, save_profile
 from bastion_sglang.controller.roofline import ModelShape, RooflineModel
+from bastion_sglang.integration.config import StartupMode
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -179,7 +179,7 @@ class StartupCalibration:
     def run(self, identity: RuntimeIdentity, store: ProfileStore, why: str) -> ResolvedProfile:
         """Measure, fit, log and store this server's profile; the result as `resolve_latency_profile` gives
         one (source STARTUP). ProfileError or ValueError when the measurement cannot give one."""
-        from bastion_sglang import sglang_adapter
+        from bastion_sglang.integration import sglang_adapter
 
         sglang_adapter.require(sglang_adapter.MEASUREMENT_INTERNALS)
         settings = self.settings()

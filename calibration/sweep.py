@@ -45,13 +45,13 @@ from scipy.optimize import nnls
 from tqdm.auto import tqdm
 
 from bastion_sglang import kernels
-from bastion_sglang.config import DEFAULT_TOPK
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees, build_trees_unchecked
 from bastion_sglang.controller.latency import LatencyModel, LatencySample, Mode
 from bastion_sglang.controller.policies import AdaptivePolicy, plan_batch
 from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.integration.config import DEFAULT_TOPK
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
-from bastion_sglang.timing import time_op
+from bastion_sglang.step.timing import time_op
 
 logger = logging.getLogger(__name__)
 

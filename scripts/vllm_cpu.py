@@ -3,7 +3,7 @@
 SGLang 0.5.23's `RotaryEmbedding.__init__` (`layers/rotary_embedding/base.py`) imports
 `vllm._custom_ops.rotary_embedding` on a device that is neither CUDA nor SGLang's CPU engine, although it
 then runs `forward_native`. The tests compare BASTION with SGLang without speculation on the CPU, and the
-bastion plugin only helps processes that serve BASTION (`bastion_sglang.cpu_support`), so the CPU
+bastion plugin only helps processes that serve BASTION (`bastion_sglang.integration.cpu_support`), so the CPU
 development and CI environment provides the module itself: a finder placed last on `sys.meta_path` (a real
 vllm is found first) that serves `vllm` and `vllm._custom_ops` as placeholders whose functions raise.
 

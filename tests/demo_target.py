@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bastion_sglang.assets import default_cache_dir
-from bastion_sglang.demo import setup_demo_target
+from bastion_sglang.demo.target import setup_demo_target
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ BASTION_METRICS = frozenset(
         "sglang:bastion_decode_steps_total",
     }
 )
-"""BASTION's own series (bastion_sglang/metrics.py), as exposed: histograms as _bucket/_count/_sum."""
+"""BASTION's own series (bastion_sglang/step/metrics.py), as exposed: histograms as _bucket/_count/_sum."""
 
 SGLANG_METRICS = frozenset(
     {

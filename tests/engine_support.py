@@ -13,7 +13,7 @@ from typing import Any
 
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from bastion_sglang.config import BastionConfig
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.registration import attach_config
 
 VOCAB_SIZE = 260

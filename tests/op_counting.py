@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bastion_sglang.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
+from bastion_sglang.step.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
 
 
 def counted(call: Callable[[], object], kind: str = "speculative") -> StageCounts:

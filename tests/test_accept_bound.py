@@ -21,7 +21,7 @@ from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.controller.tree import build_tree
-from bastion_sglang.step_controller import StepController
+from bastion_sglang.step.step_controller import StepController
 
 
 def best_tree_accept(logprobs: torch.Tensor, token_ids: torch.Tensor, nodes: int) -> np.ndarray:

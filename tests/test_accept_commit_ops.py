@@ -13,10 +13,10 @@ import torch
 from op_counting import counted, sampling_info_stand_in
 
 from bastion_sglang import kernels
-from bastion_sglang.accept import Acceptor, RowLogits
-from bastion_sglang.commit import TreeCommit
 from bastion_sglang.kernels import NO_NODE, TreeBatch
-from bastion_sglang.step_anatomy import StageCounts
+from bastion_sglang.step.accept import Acceptor, RowLogits
+from bastion_sglang.step.commit import TreeCommit
+from bastion_sglang.step.step_anatomy import StageCounts
 
 VOCAB, HIDDEN = 64, 8
 

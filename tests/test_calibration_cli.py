@@ -272,8 +272,8 @@ def test_server_finds_the_sglang_profile_with_auto(
     """`bastion calibrate --engine sglang` into a store, then the worker's latency setup with `auto`."""
     from sglang.srt.server_args import ServerArgs
 
-    from bastion_sglang.config import BastionConfig
-    from bastion_sglang.planning_setup import worker_latency_model
+    from bastion_sglang.integration.config import BastionConfig
+    from bastion_sglang.step.planning_setup import worker_latency_model
 
     target, drafter = pair
     store = tmp_path / "store"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller import BucketedAdaptivePolicy, ChainPolicy, FixedPolicy
+from bastion_sglang.integration.config import BastionConfig
 
 
 def test_policy_checks_the_budget_and_buckets() -> None:

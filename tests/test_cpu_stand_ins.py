@@ -7,7 +7,7 @@ import pytest
 import torch
 from op_counting import counted
 
-from bastion_sglang.cpu_support import assign_req_to_token_pool_torch
+from bastion_sglang.integration.cpu_support import assign_req_to_token_pool_torch
 
 
 def assigned_by_slices(

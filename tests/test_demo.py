@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from bastion_sglang import cli, demo
 from bastion_sglang.assets import SMOLLM2_PACKAGE, DataPackage, MissingPackageError, package_file
-from bastion_sglang.demo import (
+from bastion_sglang.demo.target import (
     MANIFEST_NAME,
     SMOLLM2_GGUF_NAME,
     SMOLLM2_GGUF_SHA256,

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from bastion_sglang.assets.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
 from bastion_sglang.controller.roofline import CPU_HARDWARE
-from bastion_sglang.demo_drafters import assemble_dflash2
-from bastion_sglang.drafter_config import DrafterConfig, SelectorConfig
-from bastion_sglang.prompt_sets import PROMPT_SETS, chat_prompt_ids, plan_prompts
+from bastion_sglang.demo.drafters import assemble_dflash2
+from bastion_sglang.integration.drafter_config import DrafterConfig, SelectorConfig
 from bastion_sglang.reference import ReferenceEngine
 from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
 from bastion_sglang.training.card import read_card_metadata

@@ -25,9 +25,9 @@ import pytest
 from calibration_profiles import serving_plan_flags
 from transformers import AutoTokenizer
 
-from bastion_sglang.config import BastionConfig
-from bastion_sglang.drafter_config import DrafterConfig
-from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.integration.config import BastionConfig
+from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.registration import attach_config, make_config
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bastion_sglang.demo_drafters import (
+from bastion_sglang.demo.drafters import (
     PARTS_NAME,
     SELECTOR_NAME,
     WEIGHTS_NAME,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import make_tiny_target
 
-from bastion_sglang.drafter_config import (
+from bastion_sglang.integration.drafter_config import (
     DFLASH2_ARCHITECTURES,
     DrafterConfig,
     SelectorConfig,

@@ -16,12 +16,12 @@ from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import make_tiny_target
 from transformers import AutoModelForCausalLM
 
-from bastion_sglang import sglang_adapter as sgl
 from bastion_sglang.controller.lattice_tree import selector_logprobs
-from bastion_sglang.drafter_forward import DrafterForward
-from bastion_sglang.rank_sync import DraftHead
+from bastion_sglang.integration import sglang_adapter as sgl
 from bastion_sglang.reference import DFlashDrafter
-from bastion_sglang.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
+from bastion_sglang.step.drafter_forward import DrafterForward
+from bastion_sglang.step.rank_sync import DraftHead
+from bastion_sglang.step.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
 
 sglang_dflash = pytest.importorskip("sglang.srt.models.dflash")
 sglang_worker = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
@@ -108,7 +108,7 @@ def test_the_lattice_of_one_head_pass_is_sglangs(
 
 PRODUCTS = ("matmul", "mm", "bmm", "addmm", "linear")
 """Aten ops that may carry the head's matrix product (matmul decomposes outside inference mode)."""
-HEAD_SITES = ("bastion_sglang/rank_sync.py:", " _project_candidate_logits")
+HEAD_SITES = ("bastion_sglang/step/rank_sync.py:", " _project_candidate_logits")
 """Where the head's product is issued: the draft head (`DraftHead.__call__`), SGLang's projection."""
 
 

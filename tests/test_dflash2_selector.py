@@ -17,8 +17,7 @@ from tiny_models import make_tiny_target
 from transformers import AutoModelForCausalLM
 
 from bastion_sglang.controller.lattice_tree import lattice_chain, selector_logprobs
-from bastion_sglang.draft_protocols import DraftInput
-from bastion_sglang.drafter_config import SelectorConfig
+from bastion_sglang.integration.drafter_config import SelectorConfig
 from bastion_sglang.reference import DFlashDrafter, DFlashProposer
 from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
 from bastion_sglang.reference.selector import (
@@ -27,6 +26,7 @@ from bastion_sglang.reference.selector import (
     score_edges,
     transform_unary_logits,
 )
+from bastion_sglang.step.draft_protocols import DraftInput
 
 sglang_dflash = pytest.importorskip("sglang.srt.models.dflash")
 sglang_worker = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
+from bastion_sglang.step.draft_context import ContextRows, DeferredDraftContext
 
 HIDDEN = 6
 

@@ -39,9 +39,9 @@ from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.lattice_plan import plan_draft
-from bastion_sglang.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
-from bastion_sglang.step_controller import StepController, StepPlan
+from bastion_sglang.step.lattice_plan import plan_draft
+from bastion_sglang.step.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
+from bastion_sglang.step.step_controller import StepController, StepPlan
 
 CALIBRATION = AcceptanceCalibration(slopes=[1.6, 1.2], offsets=[-0.3, -0.8], events=[50, 20])
 

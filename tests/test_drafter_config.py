@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tiny_models import EOS_ID, MASK_ID, make_tiny_drafter, make_tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bastion_sglang.drafter_config import (
+from bastion_sglang.integration.drafter_config import (
     DEFAULT_BLOCK_SIZE,
     DrafterConfig,
     DrafterMismatchError,

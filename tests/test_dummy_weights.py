@@ -27,10 +27,10 @@ from bastion_sglang.bench.output import REPORT_NAME
 from bastion_sglang.bench.plan import BenchPolicy, plan_from_args, server_args_for
 from bastion_sglang.bench.report import BenchReport
 from bastion_sglang.calibration.identity import model_config_hash
-from bastion_sglang.config import config_of
 from bastion_sglang.controller.profile import load_profile
-from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits
-from bastion_sglang.synthetic_profile import load_synthetic_profile
+from bastion_sglang.integration.config import config_of
+from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
+from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 MAKE_DRAFTER = [sys.executable, str(REPOSITORY / "benchmarks" / "calibrate_gpu.py"), "--make-drafter"]

@@ -1,9 +1,9 @@
-"""Verify widths served by CUDA graphs (bastion_sglang.graph_buckets): bucket choice, padded verify rows.
+"""Verify widths served by CUDA graphs (bastion_sglang.step.graph_buckets): bucket choice, padded verify rows.
 
 The padding must be invisible: on the real positions the padded layout and flat mask equal the unpadded
 ones, a one-layer attention "target" gives the real positions the same outputs with or without padding,
 and the accept walk (on the real positions) never returns a padding position. Without captured graphs
-(bastion_sglang.graphs on CPU) every step verifies eagerly at its own width.
+(bastion_sglang.step.graphs on CPU) every step verifies eagerly at its own width.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ from bastion_sglang.controller import AdaptivePolicy, BucketedAdaptivePolicy, bu
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, RooflineModel
-from bastion_sglang.graph_buckets import (
+from bastion_sglang.kernels import (
+    TreeBatch,
+    accept_greedy,
+    build_verify_layout,
+    flat_custom_mask,
+    flatten_trees,
+    tree_attention,
+)
+from bastion_sglang.step.graph_buckets import (
     EagerReason,
     VerifyShape,
     choose_verify_shape,
@@ -26,14 +34,6 @@ from bastion_sglang.graph_buckets import (
     planning_widths,
     real_rows,
     validate_graph_widths,
-)
-from bastion_sglang.kernels import (
-    TreeBatch,
-    accept_greedy,
-    build_verify_layout,
-    flat_custom_mask,
-    flatten_trees,
-    tree_attention,
 )
 
 BUCKETS = (4, 8, 16)
@@ -289,7 +289,7 @@ def test_without_a_startup_graph_runner_every_step_verifies_eagerly() -> None:
     left no graph runner gets no runners: each step verifies at its own width, the runner left as it is."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from bastion_sglang.graphs import capture_verify_graphs, planned_graph_widths
+    from bastion_sglang.step.graphs import capture_verify_graphs, planned_graph_widths
 
     assert planned_graph_widths(torch.device("cpu"), BUCKETS) == ()
     runner = ModelRunner.__new__(ModelRunner)  # only the attribute capture_verify_graphs reads is set
@@ -308,7 +308,7 @@ def test_a_startup_runner_with_sglangs_causal_verify_graphs_is_refused() -> None
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-    from bastion_sglang.graphs import capture_verify_graphs
+    from bastion_sglang.step.graphs import capture_verify_graphs
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.decode_cuda_graph_runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)  # never captured

@@ -144,11 +144,13 @@ FLOORS: tuple[Floor, ...] = (
     Floor(
         "config",
         (
-            f"{_P}.config",
-            f"{_P}.timing",
-            f"{_P}.drafter_config",
-            f"{_P}.step_anatomy",
-            f"{_P}.synthetic_profile",
+            f"{_P}.integration.config",
+            f"{_P}.step.timing",
+            f"{_P}.integration.drafter_config",
+            f"{_P}.step.step_anatomy",
+            f"{_P}.step.synthetic_profile",
+            f"{_P}.step",
+            f"{_P}.integration",
         ),
         sglang=False,
     ),
@@ -171,7 +173,7 @@ FLOORS: tuple[Floor, ...] = (
                     "acceptance_fit",
                 )
             ),
-            f"{_P}.prompt_sets",
+            f"{_P}.assets.prompt_sets",
             f"{_P}.assets",
         ),
         sglang=False,
@@ -179,33 +181,39 @@ FLOORS: tuple[Floor, ...] = (
     Floor(
         "glue without SGLang",
         tuple(
-            f"{_P}.{name}" for name in ("step_controller", "draft_context", "graph_buckets", "lattice_plan")
+            f"{_P}.step.{name}"
+            for name in ("step_controller", "draft_context", "graph_buckets", "lattice_plan")
         ),
         sglang=False,
     ),
-    Floor("SGLang adapter", (f"{_P}.sglang_adapter",), sglang=True),
+    Floor("SGLang adapter", (f"{_P}.integration.sglang_adapter",), sglang=True),
     Floor(
         "glue",
         tuple(
             f"{_P}.{name}"
             for name in (
                 "worker",
-                "draft_protocols",
-                "graphs",
-                "spec_input",
-                "cpu_support",
-                "metrics",
-                "request_support",
-                "request_outputs",
-                "request_penalties",
-                "prefill_redraw",
-                "rank_sync",
-                "drafter_forward",
-                "accept",
-                "synthetic_acceptance",
-                "commit",
-                "target_forward",
-                "planning_setup",
+                *(
+                    f"step.{stage}"
+                    for stage in (
+                        "draft_protocols",
+                        "graphs",
+                        "spec_input",
+                        "metrics",
+                        "request_outputs",
+                        "request_penalties",
+                        "prefill_redraw",
+                        "rank_sync",
+                        "drafter_forward",
+                        "accept",
+                        "synthetic_acceptance",
+                        "commit",
+                        "target_forward",
+                        "planning_setup",
+                    )
+                ),
+                "integration.cpu_support",
+                "integration.request_support",
                 "calibration.runner_measurement",
                 "calibration.startup",
                 "reference.drafter",
@@ -216,11 +224,12 @@ FLOORS: tuple[Floor, ...] = (
         ),
         sglang=True,
     ),
-    Floor("registration", (_P, f"{_P}.registration", f"{_P}.step_anatomy_hooks"), sglang=True),
+    Floor("registration", (_P, f"{_P}.registration", f"{_P}.step.step_anatomy_hooks"), sglang=True),
     Floor(
         "commands",
         (
-            *(f"{_P}.{name}" for name in ("cli", "demo", "demo_serve", "demo_drafters")),
+            f"{_P}.cli",
+            *_under(f"{_P}.demo"),
             *_under(f"{_P}.bench"),
             f"{_P}.reference",
             *(f"{_P}.reference.{name}" for name in ("engine", "pair_bench", "sampling", "stats", "target")),
@@ -318,7 +327,7 @@ def test_importing_the_step_controller_loads_no_sglang() -> None:
     interpreter loads no SGLang module."""
     code = (
         "import sys\n"
-        "import bastion_sglang.step_controller\n"
+        "import bastion_sglang.step.step_controller\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] == 'sglang'))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -17,7 +17,11 @@ from sglang_penalties import FakeReq, make_req, sglang_row
 from bastion_sglang import kernels
 from bastion_sglang.kernels import reference
 from bastion_sglang.kernels.penalties import OutputPenalties, Penalty, apply_tree_penalties
-from bastion_sglang.request_penalties import min_new_tokens_stop_ids, output_penalties, sglang_penalty_order
+from bastion_sglang.step.request_penalties import (
+    min_new_tokens_stop_ids,
+    output_penalties,
+    sglang_penalty_order,
+)
 
 VOCAB = 12
 

@@ -24,8 +24,8 @@ from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.lattice_plan import plan_draft
-from bastion_sglang.step_controller import StepController
+from bastion_sglang.step.lattice_plan import plan_draft
+from bastion_sglang.step.step_controller import StepController
 
 
 def random_lattices(seed: int, batch: int = 2, depth: int = 5, width: int = 4) -> DraftLattice:

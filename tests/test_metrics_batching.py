@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bastion_sglang.metrics import FLUSH_STEPS, BastionMetrics, flush_all
-from bastion_sglang.timing import StageTimes
+from bastion_sglang.step.metrics import FLUSH_STEPS, BastionMetrics, flush_all
+from bastion_sglang.step.timing import StageTimes
 
 LABELS = {"model_name": "batching-test"}
 STEPS = "sglang:bastion_decode_steps_total"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bastion_sglang.step_controller import SpeedupLedger
+from bastion_sglang.step.step_controller import SpeedupLedger
 
 
 def test_speedup_completes_in_either_order() -> None:

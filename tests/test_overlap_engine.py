@@ -32,7 +32,7 @@ import sglang
 from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
 from oracle_drafter import write_references
 
-from bastion_sglang.config import BastionConfig
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.registration import make_config
 
 pytestmark = pytest.mark.slow

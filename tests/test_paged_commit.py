@@ -1,6 +1,6 @@
-"""The commit stage with KV pages of one and of several tokens (`bastion_sglang.commit.TreeCommit`), on a real
-SGLang KV pool on the CPU whose all-layer copy is BASTION's host stand-in, and the CPU verify path's paged
-read (`cpu_support.paged_slots`).
+"""The commit stage with KV pages of one and of several tokens (`bastion_sglang.step.commit.TreeCommit`), on a
+real SGLang KV pool on the CPU whose all-layer copy is BASTION's host stand-in, and the CPU verify path's
+paged read (`cpu_support.paged_slots`).
 
 The hand-built tree of tests/test_kernels_kv.py: request 0 accepts the path 0 -> 1 -> 3 -> 5 (not a prefix of
 its verify row), request 1 the path 0 -> 1 -> 4, request 2 its root only. Pages hold 4 slots; each request's
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from bastion_sglang.commit import PADDING_SLOT, TreeCommit, kv_copy_seconds_per_token
-from bastion_sglang.cpu_support import copy_all_layer_kv_cache_host, paged_slots
+from bastion_sglang.integration.cpu_support import copy_all_layer_kv_cache_host, paged_slots
 from bastion_sglang.kernels import compaction_order
+from bastion_sglang.step.commit import PADDING_SLOT, TreeCommit, kv_copy_seconds_per_token
 
 PAGE = 4
 ACCEPT_INDEX = torch.tensor([[0, 1, 3, 5, -1, -1], [0, 1, 4, -1, -1, -1], [0, -1, -1, -1, -1, -1]])

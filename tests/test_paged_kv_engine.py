@@ -1,8 +1,8 @@
 """BASTION with `--page-size` 1, 16 and 64 in a real `sglang.Engine` on CPU, SGLang's strict memory checks on.
 
 With pages of several tokens a tree commit copies the accepted path's KV into the request's pages instead of
-permuting slot ids (`bastion_sglang.commit`), and the CPU verify path reads keys page by page as paged CUDA
-kernels do (`cpu_support.paged_slots`), so a commit that broke SGLang's page invariant would change these
+permuting slot ids (`bastion_sglang.step.commit`), and the CPU verify path reads keys page by page as paged
+CUDA kernels do (`cpu_support.paged_slots`), so a commit that broke SGLang's page invariant would change these
 outputs. Two pairs, each in fp32: the tiny random pair (tests/engine_support.py) and the demo pair (the
 SmolLM2-135M-Instruct target of the `demo_target` plugin, `models/smollm2-135m-instruct-dflash`). Per pair:
 1. the greedy reference of the greedy prompts: Hugging Face's greedy continuation on the same fp32 weights
@@ -38,8 +38,8 @@ from oracle_drafter import write_references
 from sglang_server import hf_greedy
 from transformers import AutoTokenizer
 
-from bastion_sglang.config import BastionConfig
-from bastion_sglang.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.registration import make_config
 
 if TYPE_CHECKING:

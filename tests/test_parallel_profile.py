@@ -18,8 +18,8 @@ from tiny_models import make_tiny_target
 from bastion_sglang.calibration.identity import device_name, model_config_hash
 from bastion_sglang.calibration.store import STORE_ENV, ProfileStore
 from bastion_sglang.controller.profile import save_profile
-from bastion_sglang.planning_setup import resolve_worker_profile
 from bastion_sglang.registration import make_config
+from bastion_sglang.step.planning_setup import resolve_worker_profile
 
 
 def test_each_tp_size_resolves_its_own_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

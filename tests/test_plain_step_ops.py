@@ -15,10 +15,10 @@ import pytest
 import torch
 from op_counting import counted, sampling_info_stand_in
 
-from bastion_sglang.accept import Acceptor
-from bastion_sglang.commit import DraftContextWriter
-from bastion_sglang.step_anatomy import StageCounts
-from bastion_sglang.target_forward import DecodeInputs, TargetForward
+from bastion_sglang.step.accept import Acceptor
+from bastion_sglang.step.commit import DraftContextWriter
+from bastion_sglang.step.step_anatomy import StageCounts
+from bastion_sglang.step.target_forward import DecodeInputs, TargetForward
 from bastion_sglang.worker import BastionWorker
 
 VOCAB, HIDDEN, BATCH, POOL_COLUMNS = 32, 6, 3, 40

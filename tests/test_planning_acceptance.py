@@ -15,7 +15,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target
 from bastion_sglang.calibration.identity import model_config_hash
 from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
-from bastion_sglang.planning_setup import planning_acceptance
+from bastion_sglang.step.planning_setup import planning_acceptance
 
 
 @pytest.fixture(scope="module")

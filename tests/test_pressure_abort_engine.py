@@ -27,8 +27,9 @@ whatever batch it shares, retracted or not; the reference is therefore phase 1. 
 request comes from SGLang's prefill sampler (unseeded outside deterministic mode); the seeded requests carry a
 regex whose first character is fixed (SEEDED_REGEX: the byte tokenizer makes it one token), so it is the same
 in every phase. After a retraction the re-prefill's token is BASTION's seeded draw
-(`bastion_sglang.prefill_redraw`), so every seeded survivor, retracted or not, must equal phase 1 token for
-token; the test asserts that at least one seeded request was retracted, so it cannot pass without a redraw.
+(`bastion_sglang.step.prefill_redraw`), so every seeded survivor, retracted or not, must equal phase 1 token
+for token; the test asserts that at least one seeded request was retracted, so it cannot pass without a
+redraw.
 """
 
 from __future__ import annotations

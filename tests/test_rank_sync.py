@@ -26,7 +26,7 @@ from bastion_sglang.controller import AdaptivePolicy, build_trees, plan_batch
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import RooflineModel, lookup_gpu
-from bastion_sglang.rank_sync import DraftHead, RankSync
+from bastion_sglang.step.rank_sync import DraftHead, RankSync
 
 WORLD = 2
 BATCH = 3

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bastion_sglang.request_penalties import RecentOutputs
+from bastion_sglang.step.request_penalties import RecentOutputs
 
 PROMPT = [7, 8, 9]
 

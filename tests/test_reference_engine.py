@@ -23,7 +23,7 @@ from transformers.models.muse_glimmer_assistant import (
 from bastion_sglang.controller import build_trees
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.roofline import HardwareSpec
-from bastion_sglang.drafter_config import DrafterMismatchError
+from bastion_sglang.integration.drafter_config import DrafterMismatchError
 from bastion_sglang.kernels import build_verify_layout, flatten_trees, topk_logprobs
 from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.reference import (

@@ -28,10 +28,10 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from bastion_sglang.config import config_of
 from bastion_sglang.controller import FixedPolicy
 from bastion_sglang.controller.profile import ProfileError
-from bastion_sglang.drafter_config import DrafterMismatchError, SelectorConfig
+from bastion_sglang.integration.config import config_of
+from bastion_sglang.integration.drafter_config import DrafterMismatchError, SelectorConfig
 from bastion_sglang.registration import BastionSpecAlgo, check_draft_logits_supported
 
 load_plugins()
@@ -129,7 +129,7 @@ def test_only_the_bastion_target_captures_with_the_bastion_verify_graph_runner(
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-    from bastion_sglang.graphs import BastionVerifyGraphRunner
+    from bastion_sglang.step.graphs import BastionVerifyGraphRunner
 
     runner = ModelRunner.__new__(ModelRunner)  # only the two attributes the method reads are set
     runner.spec_algorithm = SpeculativeAlgorithm.from_string(algorithm)
@@ -475,7 +475,7 @@ from types import SimpleNamespace
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 
-from bastion_sglang import cpu_support
+from bastion_sglang.integration import cpu_support
 from bastion_sglang.registration import _scheduler_init_hook
 
 calls = []
@@ -523,7 +523,7 @@ def test_placeholders_install_only_where_bastion_serves_on_cpu() -> None:
 
 def test_vllm_placeholder_is_installed_only_when_vllm_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     """The placeholder's functions raise; a vllm that imports (real, or the CPU environment's) is kept."""
-    from bastion_sglang import cpu_support
+    from bastion_sglang.integration import cpu_support
 
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     monkeypatch.delitem(sys.modules, "vllm._custom_ops", raising=False)

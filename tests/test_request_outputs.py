@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from bastion_sglang import request_outputs
-from bastion_sglang.request_outputs import (
+from bastion_sglang.integration.sglang_adapter import CaptureHiddenMode
+from bastion_sglang.step import request_outputs
+from bastion_sglang.step.request_outputs import (
     attach_prefill_hidden_states,
     attach_sampling_masks,
     attach_step_hidden_states,
     capture_final_hidden_states,
 )
-from bastion_sglang.sglang_adapter import CaptureHiddenMode
 
 HIDDEN = 2
 

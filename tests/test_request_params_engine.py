@@ -36,8 +36,8 @@ import sglang
 from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
+from bastion_sglang.integration.request_support import REFUSAL_PREFIX
 from bastion_sglang.registration import make_config
-from bastion_sglang.request_support import REFUSAL_PREFIX
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from bastion_sglang.request_support import (
+from bastion_sglang.integration.request_support import (
     GRAMMAR_FIELDS,
     REFUSAL_PREFIX,
     unsupported_parameter,
 )
-from bastion_sglang.sglang_adapter import REQUEST_FIELDS, Internal
+from bastion_sglang.integration.sglang_adapter import REQUEST_FIELDS, Internal
 
 
 def fake_req(**fields: Any) -> SimpleNamespace:

@@ -19,10 +19,10 @@ from tiny_dflash2 import make_tiny_dflash2_drafter
 from transformers import AutoModelForCausalLM
 
 from bastion_sglang.controller.lattice_acceptance import LatticeRecord
-from bastion_sglang.draft_protocols import DraftInput
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
 from bastion_sglang.reference.target import TargetModel
+from bastion_sglang.step.draft_protocols import DraftInput
 
 pytestmark = pytest.mark.slow
 

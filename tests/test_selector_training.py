@@ -11,12 +11,12 @@ import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target
 
+from bastion_sglang.assets.prompt_sets import load_prompts
 from bastion_sglang.cli import main
 from bastion_sglang.controller.lattice_tree import lattice_chain, selector_logprobs
-from bastion_sglang.draft_protocols import DraftInput
-from bastion_sglang.prompt_sets import load_prompts
 from bastion_sglang.reference import DFlashDrafter
 from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
+from bastion_sglang.step.draft_protocols import DraftInput
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.data import load_training_sequences, regenerate
 from bastion_sglang.training.selector import (

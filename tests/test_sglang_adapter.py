@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bastion_sglang.registration import CHOOSE_BACKEND_STEP
-from bastion_sglang.sglang_adapter import (
+from bastion_sglang.integration.sglang_adapter import (
     IMPORT_CHECKED,
     MEASUREMENT_INTERNALS,
     PINNED_VERSION,
@@ -32,6 +31,7 @@ from bastion_sglang.sglang_adapter import (
     missing_internals,
     require,
 )
+from bastion_sglang.registration import CHOOSE_BACKEND_STEP
 
 ROOT = Path(__file__).resolve().parents[1]
 DECLARED = (*IMPORT_CHECKED, *MEASUREMENT_INTERNALS)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bastion_sglang.spec_input import TOP_UP_SLOTS, BastionDraftInput, DecodeAllocation, decode_allocation
+from bastion_sglang.step.spec_input import (
+    TOP_UP_SLOTS,
+    BastionDraftInput,
+    DecodeAllocation,
+    decode_allocation,
+)
 
 RESERVE = 34
 

@@ -44,7 +44,7 @@ import requests
 from sglang_server import CPU_FLAGS, launch_server
 
 from bastion_sglang.assets import default_cache_dir
-from bastion_sglang.demo import setup_demo_target
+from bastion_sglang.demo.target import setup_demo_target
 
 
 def _import_kits() -> tuple[types.ModuleType, types.ModuleType, type]:

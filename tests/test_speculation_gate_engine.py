@@ -31,9 +31,9 @@ import torch
 from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
 from oracle_drafter import load_records, write_references
 
-from bastion_sglang.config import BastionConfig
-from bastion_sglang.metrics import FLUSH_STEPS
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.registration import make_config
+from bastion_sglang.step.metrics import FLUSH_STEPS
 
 pytestmark = pytest.mark.slow
 

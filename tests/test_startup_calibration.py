@@ -13,9 +13,13 @@ from calibration_profiles import IDENTITY, make_profile
 from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
 from bastion_sglang.calibration.profile_cli import describe_profile
 from bastion_sglang.calibration.startup import StartupSettings, needs_startup_calibration, store_profile
-from bastion_sglang.config import STARTUP_CALIBRATION_ENV, BastionConfig, default_startup_calibration
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.profile import load_profile
+from bastion_sglang.integration.config import (
+    STARTUP_CALIBRATION_ENV,
+    BastionConfig,
+    default_startup_calibration,
+)
 from bastion_sglang.registration import FLAGS, config_from_namespace, make_config
 
 DRAFTER = "a" * 64

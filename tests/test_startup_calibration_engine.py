@@ -9,7 +9,7 @@ import pytest
 from engine_support import PROMPTS, engine_server_args, make_model_pair
 
 from bastion_sglang.calibration.store import STORE_ENV, ProfileStore
-from bastion_sglang.config import STARTUP_CALIBRATION_ENV
+from bastion_sglang.integration.config import STARTUP_CALIBRATION_ENV
 from bastion_sglang.registration import make_config
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bastion_sglang.step_anatomy import OUTSIDE, Level, StageCounts, StepAnatomy, StepCounts
-from bastion_sglang.step_anatomy_hooks import (
+from bastion_sglang.step.step_anatomy import OUTSIDE, Level, StageCounts, StepAnatomy, StepCounts
+from bastion_sglang.step.step_anatomy_hooks import (
     BASTION_TARGETS,
     SCHEDULER_INIT,
     AnatomyHooks,
@@ -382,8 +382,8 @@ def test_the_sink_appends_one_json_line_per_step(tmp_path: Path) -> None:
 def test_every_hook_target_is_declared_and_resolves() -> None:
     """SGLang's targets are the adapter's STEP_ANATOMY_HOOKS (all resolve); BASTION's own resolve too, so a
     renamed worker method fails here instead of silently counting nothing."""
-    from bastion_sglang import sglang_adapter as sgl
-    from bastion_sglang.sglang_adapter import Internal
+    from bastion_sglang.integration import sglang_adapter as sgl
+    from bastion_sglang.integration.sglang_adapter import Internal
 
     targets = AnatomyHooks(StepAnatomy(True, lambda record: None)).targets(serving_bastion=True)
     declared = {hook.target for hook in sgl.STEP_ANATOMY_HOOKS}

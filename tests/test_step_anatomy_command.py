@@ -28,7 +28,7 @@ from bastion_sglang.bench.anatomy_run import (
     request_id,
     run_of,
 )
-from bastion_sglang.step_anatomy import StageCounts, StepCounts, StepKind
+from bastion_sglang.step.step_anatomy import StageCounts, StepCounts, StepKind
 
 
 def step(

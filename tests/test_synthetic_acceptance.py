@@ -19,8 +19,8 @@ import torch
 
 from bastion_sglang import kernels
 from bastion_sglang.controller.tree import build_tree, expected_accept_length
-from bastion_sglang.synthetic_acceptance import SyntheticDraft, synthetic_targets, true_tokens
-from bastion_sglang.synthetic_profile import SyntheticAcceptanceProfile, load_synthetic_profile
+from bastion_sglang.step.synthetic_acceptance import SyntheticDraft, synthetic_targets, true_tokens
+from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile, load_synthetic_profile
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 PROFILES = REPOSITORY / "tools" / "offline_gpu" / "profiles"

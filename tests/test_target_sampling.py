@@ -13,8 +13,8 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from bastion_sglang import kernels
-from bastion_sglang.sglang_adapter import target_sampling_probs
-from bastion_sglang.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
+from bastion_sglang.integration.sglang_adapter import target_sampling_probs
+from bastion_sglang.step.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
 
 BATCH, WIDTH, VOCAB = 2, 3, 50
 

@@ -34,7 +34,7 @@ from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, first_differ
 from oracle_drafter import write_references
 from rank_skew import write_skew
 
-from bastion_sglang.config import BastionConfig
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.registration import make_config
 
 pytestmark = pytest.mark.slow

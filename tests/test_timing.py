@@ -1,4 +1,4 @@
-"""`bastion_sglang.timing`: the stage timer of the worker and the reference engine, and calibration's op
+"""`bastion_sglang.step.timing`: the stage timer of the worker and the reference engine, and calibration's op
 timer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bastion_sglang.timing import STAGES, StageTimer, TimedStep, time_op
+from bastion_sglang.step.timing import STAGES, StageTimer, TimedStep, time_op
 
 CPU = torch.device("cpu")
 

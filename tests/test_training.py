@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import MASK_ID, make_tiny_target
 
+from bastion_sglang.assets.prompt_sets import HELDOUT_FRACTION, chat_prompt_ids, load_prompts
 from bastion_sglang.cli import main
-from bastion_sglang.drafter_config import DrafterConfig
-from bastion_sglang.prompt_sets import HELDOUT_FRACTION, chat_prompt_ids, load_prompts
+from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config, export_drafter

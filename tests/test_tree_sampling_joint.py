@@ -53,7 +53,7 @@ from bastion_sglang.kernels import (
     sample_tokens,
     topk_logprobs,
 )
-from bastion_sglang.request_penalties import output_penalties, sglang_penalty_order
+from bastion_sglang.step.request_penalties import output_penalties, sglang_penalty_order
 
 VOCAB = 5
 DEPTH = 3  # drafted positions per step (γ - 1)

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from bastion_sglang.drafter_config import default_target_layer_ids
+from bastion_sglang.integration.drafter_config import default_target_layer_ids
 
 BYTE_VOCAB = 256
 """Ids 0..255: one token per byte (GPT-2 byte-to-unicode symbols)."""

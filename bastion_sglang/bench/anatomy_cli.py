@@ -37,7 +37,7 @@ from bastion_sglang.bench.plan import (
     add_model_arguments,
     plan_from_args,
 )
-from bastion_sglang.config import STARTUP_MODES
+from bastion_sglang.integration.config import STARTUP_MODES
 
 HELP = (
     "Count the torch ops and blocking host syncs of each decode step outside the model forwards, per step "
@@ -65,7 +65,7 @@ def concurrency_list(text: str) -> tuple[int, ...]:
 
 def default_model_path() -> str | None:
     """The demo target's folder when `bastion demo setup` has built it, else None."""
-    from bastion_sglang.demo import demo_target_dir, read_manifest
+    from bastion_sglang.demo.target import demo_target_dir, read_manifest
 
     folder = demo_target_dir()
     return str(folder) if read_manifest(folder) is not None else None
@@ -167,7 +167,7 @@ def checkout_state() -> tuple[str | None, bool | None]:
 
 def plan_anatomy(args: argparse.Namespace) -> AnatomyPlan:
     """The bench's plan for these options; ValueError or MissingPackageError naming the bad value."""
-    from bastion_sglang.demo_serve import default_drafter
+    from bastion_sglang.demo.serve import default_drafter
 
     model_path = args.model_path or default_model_path()
     if model_path is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.bench.anatomy_run import AnatomyStep
-from bastion_sglang.step_anatomy import OUTSIDE, STEP_KINDS, StepCounts, StepKind
+from bastion_sglang.step.step_anatomy import OUTSIDE, STEP_KINDS, StepCounts, StepKind
 
 REPORT_NAME = "step_anatomy.json"
 REGION_ORDER = (

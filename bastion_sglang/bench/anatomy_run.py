@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, server_args_for
 from bastion_sglang.bench.server import LOG_FORMAT, PROMETHEUS_DIR_ENV, WARMUP_TOKENS
-from bastion_sglang.config import StartupMode
-from bastion_sglang.step_anatomy import StepCounts
-from bastion_sglang.step_anatomy_hooks import AnatomyRequest, attach_request
+from bastion_sglang.integration.config import StartupMode
+from bastion_sglang.step.step_anatomy import StepCounts
+from bastion_sglang.step.step_anatomy_hooks import AnatomyRequest, attach_request
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The worker's Prometheus histograms, read from an Engine's multiprocess folder.
 
 A BASTION worker observes into the histograms of `WORKER_METRICS` and, per stage of a decode step, into
-`STAGE_METRIC` (what each one samples: `bastion_sglang.metrics`). prometheus_client's multiprocess collector
-sums every process's files; the growth of `_sum` and `_count` over a temperature's generate calls is what
-the report's means are taken over (`bench.report`).
+`STAGE_METRIC` (what each one samples: `bastion_sglang.step.metrics`). prometheus_client's multiprocess
+collector sums every process's files; the growth of `_sum` and `_count` over a temperature's generate
+calls is what the report's means are taken over (`bench.report`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 TREE_NODES_METRIC = "sglang:bastion_tree_nodes"
-"""The worker's histogram of draft nodes verified per request per step (bastion_sglang.metrics)."""
+"""The worker's histogram of draft nodes verified per request per step (bastion_sglang.step.metrics)."""
 EXPECTED_METRIC = "sglang:bastion_expected_accept_length"
 EXPECTED_RAW_METRIC = "sglang:bastion_expected_accept_length_raw"
 REALISED_METRIC = "sglang:bastion_accept_length"

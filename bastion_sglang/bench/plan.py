@@ -21,9 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bastion_sglang.config import CHOSEN_BACKENDS, default_width_buckets
-from bastion_sglang.controller.policies import parse_policy
-from bastion_sglang.prompt_sets import (
+from bastion_sglang.assets.prompt_sets import (
     PROMPT_SETS,
     Prompt,
     PromptSet,
@@ -31,6 +29,8 @@ from bastion_sglang.prompt_sets import (
     interleave_prompts,
     load_prompts,
 )
+from bastion_sglang.controller.policies import parse_policy
+from bastion_sglang.integration.config import CHOSEN_BACKENDS, default_width_buckets
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -280,7 +280,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if args.bastion_profile is not None and not Path(args.bastion_profile).is_file():
         raise ValueError(f"--bastion-profile {args.bastion_profile}: no such file")
     if args.synthetic_acceptance is not None:
-        from bastion_sglang.synthetic_profile import load_synthetic_profile
+        from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 
         load_synthetic_profile(Path(args.synthetic_acceptance))  # ValueError names the file and field
         if any(p.kind == "dflash" for p in policies):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.selector import CandidateSelector
 
 DRAFTER_WEIGHTS_NAME = "model.safetensors"

@@ -52,9 +52,7 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import HardwareSpec, ModelShape, RooflineModel
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker
-from bastion_sglang.draft_protocols import DraftInput, DraftSource
-from bastion_sglang.drafter_config import check_drafter_fits
-from bastion_sglang.graph_buckets import pad_verify_rows
+from bastion_sglang.integration.drafter_config import check_drafter_fits
 from bastion_sglang.kernels import (
     accept_greedy,
     accept_sampling,
@@ -64,15 +62,17 @@ from bastion_sglang.kernels import (
     sample_tokens,
 )
 from bastion_sglang.kernels.types import DraftTopK
-from bastion_sglang.lattice_plan import plan_draft
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
 from bastion_sglang.reference.proposer import DFlashProposer
 from bastion_sglang.reference.sampling import SamplingParams
 from bastion_sglang.reference.stats import GenerationResult, StepStats
 from bastion_sglang.reference.target import SlotCache, TargetModel, load_causal_lm
-from bastion_sglang.step_controller import StepController, StepRecord, StepStart
-from bastion_sglang.timing import StageTimer
+from bastion_sglang.step.draft_protocols import DraftInput, DraftSource
+from bastion_sglang.step.graph_buckets import pad_verify_rows
+from bastion_sglang.step.lattice_plan import plan_draft
+from bastion_sglang.step.step_controller import StepController, StepRecord, StepStart
+from bastion_sglang.step.timing import StageTimer
 
 MAX_TOPK = 64
 """Largest K (candidates per draft position) the engine asks the proposer for."""

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from bastion_sglang.controller.lattice_tree import selector_logprobs
-from bastion_sglang.draft_protocols import DraftInput
-from bastion_sglang.drafter_config import SelectorConfig
+from bastion_sglang.integration.drafter_config import SelectorConfig
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.reference.drafter import DFlashDrafter, DraftContextCache
 from bastion_sglang.reference.proposer import DraftBlockPass
 from bastion_sglang.reference.selector import CandidateSelector, candidate_topk, transform_unary_logits
+from bastion_sglang.step.draft_protocols import DraftInput
 
 
 class DFlash2Proposer:

@@ -33,7 +33,7 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.engine import ReferenceEngine
 from bastion_sglang.reference.stats import GenerationResult
-from bastion_sglang.timing import synchronize
+from bastion_sglang.step.timing import synchronize
 
 DEFAULT_PAIR_POLICIES = (
     "ar",

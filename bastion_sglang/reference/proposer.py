@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bastion_sglang.draft_protocols import DraftInput
 from bastion_sglang.kernels import topk_logprobs
 from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.reference.drafter import DFlashDrafter, DraftContextCache
+from bastion_sglang.step.draft_protocols import DraftInput
 
 
 class DraftBlockPass:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bastion_sglang.drafter_config import SelectorConfig
+from bastion_sglang.integration.drafter_config import SelectorConfig
 
 
 def transform_unary_logits(logits: torch.Tensor, selector: SelectorConfig) -> torch.Tensor:

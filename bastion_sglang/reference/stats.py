@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.timing import StageTimes
+from bastion_sglang.step.timing import StageTimes
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.training.selector import SelectorTrainConfig, SelectorTrainingState
 from bastion_sglang.training.train import AcceptanceReport, InitialDrafter, TrainConfig, TrainingState
 
@@ -187,7 +187,7 @@ def _prose(
         "",
         "## Training data",
         "",
-        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.prompt_sets`;",
+        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.assets.prompt_sets`;",
         f"the held-out split is never trained on). The target answered each prompt greedily "
         f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
         f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "
@@ -277,7 +277,7 @@ def _selector_prose(
         "",
         "## Training data",
         "",
-        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.prompt_sets`;",
+        f"Prompts from {', '.join(data.prompt_sets)} (training split of `bastion_sglang.assets.prompt_sets`;",
         f"the held-out split is never trained on). The target answered each prompt greedily "
         f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
         f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "

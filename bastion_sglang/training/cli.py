@@ -22,8 +22,12 @@ from pathlib import Path
 import torch
 
 from bastion_sglang.assets import default_cache_dir
-from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits, default_target_layer_ids
-from bastion_sglang.prompt_sets import PROMPT_SETS, plan_prompts
+from bastion_sglang.assets.prompt_sets import PROMPT_SETS, plan_prompts
+from bastion_sglang.integration.drafter_config import (
+    DrafterConfig,
+    check_drafter_fits,
+    default_target_layer_ids,
+)
 from bastion_sglang.training import selector_cli
 from bastion_sglang.training.card import DataSummary, describe_initial_drafter, write_card
 from bastion_sglang.training.data import load_training_sequences, regenerate

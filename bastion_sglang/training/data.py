@@ -1,7 +1,7 @@
 """Target-regenerated training data with captured features.
 
-Prompts come from `bastion_sglang.prompt_sets` (the training split of each set). The target answers each
-training prompt (chat template, greedy), and the outputs of its layers `target_layer_ids` (HF
+Prompts come from `bastion_sglang.assets.prompt_sets` (the training split of each set). The target answers
+each training prompt (chat template, greedy), and the outputs of its layers `target_layer_ids` (HF
 `hidden_states[l + 1]`) are captured by forward hooks in the same generation pass (no second forward). Each
 batch becomes one shard file; the manifest (`RegeneratedManifest`, rewritten after every shard) lists the
 finished shards, so an interrupted run resumes at the next unfinished batch.
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from bastion_sglang.assets import sha256_file
-from bastion_sglang.prompt_sets import Prompt, chat_prompt_ids
+from bastion_sglang.assets.prompt_sets import Prompt, chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
 from bastion_sglang.controller.lattice_tree import selector_logprobs
-from bastion_sglang.drafter_config import DrafterConfig, SelectorConfig
+from bastion_sglang.integration.drafter_config import DrafterConfig, SelectorConfig
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.selector import CandidateSelector, candidate_topk, transform_unary_logits
 from bastion_sglang.training.data import TrainingSequence

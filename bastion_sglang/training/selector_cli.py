@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bastion_sglang.drafter_config import DrafterConfig, check_drafter_fits
+from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import DataSummary, describe_initial_drafter, write_card
 from bastion_sglang.training.data import TrainingSequence

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
-from bastion_sglang.drafter_config import DrafterConfig
+from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from bastion_sglang.training.data import TrainingSequence
 

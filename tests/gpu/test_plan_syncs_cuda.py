@@ -23,8 +23,8 @@ from test_draft_host_copy import (
 
 from bastion_sglang.controller.batched import build_trees_unchecked, builds_on_host
 from bastion_sglang.controller.lattice_tree import selector_logprobs
-from bastion_sglang.lattice_plan import plan_draft
-from bastion_sglang.step_anatomy import StepCounts
+from bastion_sglang.step.lattice_plan import plan_draft
+from bastion_sglang.step.step_anatomy import StepCounts
 
 
 def syncs(record: StepCounts) -> dict[str, int]:

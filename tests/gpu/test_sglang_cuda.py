@@ -1,10 +1,10 @@
 """BASTION in `sglang.launch_server` on CUDA: greedy output equals the non-speculative server.
 
 Backends triton and flashinfer with CUDA graphs on: BASTION captures a target-verify graph per width bucket
-(`bastion_sglang.graphs`) and pads each step's width up to the next bucket; fixed:N_max verifies at the
+(`bastion_sglang.step.graphs`) and pads each step's width up to the next bucket; fixed:N_max verifies at the
 largest bucket, adaptive at varying buckets, and fixed:N with N + 1 between buckets through padding; with
-`--page-size 16` a tree commit copies the accepted path's KV (`bastion_sglang.commit`). Skipped where CUDA is
-absent.
+`--page-size 16` a tree commit copies the accepted path's KV
+(`bastion_sglang.step.commit`). Skipped where CUDA is absent.
 """
 
 from __future__ import annotations

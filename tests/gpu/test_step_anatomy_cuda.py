@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bastion_sglang.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
+from bastion_sglang.step.step_anatomy import OUTSIDE, StageCounts, StepAnatomy, StepCounts
 
 
 def counted_syncs(work: object, device: torch.device) -> dict[str, int]:

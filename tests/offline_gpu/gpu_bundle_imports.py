@@ -36,7 +36,7 @@ SERVING_MODULES = (
     "sglang.srt.speculative.dflash_worker_v2",
     "bastion_sglang.registration",
     "bastion_sglang.worker",
-    "bastion_sglang.graphs",
+    "bastion_sglang.step.graphs",
     "sglang.benchmark.one_batch",
     "sglang.kernels.ops.gemm.cutedsl_dual_gemm",
 )
@@ -88,7 +88,7 @@ def main(root: Path, mode: str) -> None:
         model_class, _ = ModelRegistry.resolve_model_cls([architecture])
         assert model_class.__name__ == architecture, (architecture, model_class)
     if mode == "cpu":
-        from bastion_sglang.cpu_support import install_bastion_stand_ins
+        from bastion_sglang.integration.cpu_support import install_bastion_stand_ins
 
         install_bastion_stand_ins()
     else:

@@ -28,7 +28,7 @@ from offline_gpu.gpu_carry import (
     write_prompts,
 )
 
-from bastion_sglang.prompt_sets import load_prompts
+from bastion_sglang.assets.prompt_sets import load_prompts
 
 ROOM = 150_000
 """Bytes a call has beside the repository in these tests."""

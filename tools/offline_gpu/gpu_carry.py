@@ -39,8 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
 from bastion_sglang.assets import SMOLLM2_PACKAGE, MissingPackageError, package_file, sha256_file
-from bastion_sglang.demo import SMOLLM2_GGUF_NAME
-from bastion_sglang.prompt_sets import PromptSet, interleave_prompts, load_prompts
+from bastion_sglang.assets.prompt_sets import PromptSet, interleave_prompts, load_prompts
+from bastion_sglang.demo.target import SMOLLM2_GGUF_NAME
 from offline_gpu import REPO_ROOT
 from offline_gpu.gpu_bundle import download_wheels, folder_bytes
 

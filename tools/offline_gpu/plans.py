@@ -353,7 +353,7 @@ def demo_pair(commit: str, sizes: Sizes, concurrency: int, half: str) -> Item:
 
 ASSEMBLE_DFLASH2 = (
     "DFLASH2=$(python3 -c "
-    '"from bastion_sglang.demo_drafters import assemble_dflash2; print(assemble_dflash2())")'
+    '"from bastion_sglang.demo.drafters import assemble_dflash2; print(assemble_dflash2())")'
 )
 """Writes the demo DFlash2 drafter's complete checkpoint (backbone and selector) and names its folder."""
 

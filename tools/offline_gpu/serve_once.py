@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bastion_sglang import demo_serve
+from bastion_sglang.demo import serve as demo_serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bastion_sglang.controller.tree import build_tree, expected_accept_length
-from bastion_sglang.synthetic_profile import SyntheticAcceptanceProfile
+from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile
 
 SOURCE = (
     "Ringel and Romano, Accelerating Speculative Decoding with Block Diffusion Draft Trees "

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang import sglang_adapter as sgl
-from bastion_sglang.graph_buckets import VerifyPass, VerifyShape, padded_verify_pass
-from bastion_sglang.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
-from bastion_sglang.sglang_adapter import DFlashWorkerV2, GenerationBatchResult, GrammarTree
-from bastion_sglang.spec_input import plain_decode_forward, prepare_verify_forward
+from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, GenerationBatchResult, GrammarTree
+from bastion_sglang.step.graph_buckets import VerifyPass, VerifyShape, padded_verify_pass
+from bastion_sglang.step.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
+from bastion_sglang.step.spec_input import plain_decode_forward, prepare_verify_forward
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch

@@ -55,7 +55,7 @@ class RankGroup(Protocol):
 
 def scheduler_group() -> RankGroup | None:
     """The TP group this scheduler's batch runs on (SGLang's `get_dp_tp_group()`), None with one rank."""
-    from bastion_sglang.sglang_adapter import get_dp_tp_group
+    from bastion_sglang.integration.sglang_adapter import get_dp_tp_group
 
     group = get_dp_tp_group()
     return group if group.world_size > 1 else None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang.accept import Acceptor, RowLogits
+from bastion_sglang.step.accept import Acceptor, RowLogits
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

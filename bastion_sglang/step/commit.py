@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang import sglang_adapter as sgl
-from bastion_sglang.draft_context import ContextRows, DeferredDraftContext
-from bastion_sglang.sglang_adapter import DFlashWorkerV2, compute_spec_logprobs
-from bastion_sglang.timing import time_op
+from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, compute_spec_logprobs
+from bastion_sglang.step.draft_context import ContextRows, DeferredDraftContext
+from bastion_sglang.step.timing import time_op
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bastion_sglang.config import CPU_ATTENTION_BACKEND
+from bastion_sglang.integration.config import CPU_ATTENTION_BACKEND
 
 DEMO_DRAFTER = Path("models") / "smollm2-135m-instruct-dflash"
 """The committed drafter, relative to the repository root."""
@@ -44,7 +44,7 @@ class ChatAnswer:
 
 def default_drafter() -> Path:
     """The committed drafter: under the current directory, else next to this package's source checkout."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (root / DEMO_DRAFTER / "config.json").is_file():
             return root / DEMO_DRAFTER
     return Path.cwd() / DEMO_DRAFTER

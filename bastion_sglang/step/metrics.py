@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bastion_sglang.timing import STAGES, StageTimes
+from bastion_sglang.step.timing import STAGES, StageTimes
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -86,7 +86,7 @@ def _deferred(write: Callable[..., None]) -> Callable[..., None]:
 
 def scheduler_metric_labels() -> dict[str, str]:
     """The labels SGLang's scheduler collector puts on its series (`SchedulerMetricsCollector.init_new`)."""
-    from bastion_sglang import sglang_adapter as sgl
+    from bastion_sglang.integration import sglang_adapter as sgl
 
     parallel = sgl.get_parallel()
     disagg = sgl.get_disagg()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from bastion_sglang.config import BastionConfig
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 
 if TYPE_CHECKING:

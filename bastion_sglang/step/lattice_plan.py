@@ -22,7 +22,7 @@ from bastion_sglang.controller.gate import DraftedStep, horizon_gain
 from bastion_sglang.controller.lattice_tree import build_lattice_trees
 from bastion_sglang.controller.policies import plan_batch
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.step_controller import StepController, StepPlan, StepStart
+from bastion_sglang.step.step_controller import StepController, StepPlan, StepStart
 
 
 def plan_draft(

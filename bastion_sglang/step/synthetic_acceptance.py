@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang.accept import Acceptor
-from bastion_sglang.synthetic_profile import SyntheticAcceptanceProfile
+from bastion_sglang.step.accept import Acceptor
+from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

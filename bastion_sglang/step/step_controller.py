@@ -48,7 +48,7 @@ from bastion_sglang.controller.policies import BatchPlan, BudgetPolicy, plain_pl
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.step_costs import StepCostTracker
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.timing import StageTimer, StageTimes, TimedStep
+from bastion_sglang.step.timing import StageTimer, StageTimes, TimedStep
 
 
 class StepMetrics(Protocol):

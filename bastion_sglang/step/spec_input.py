@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang import sglang_adapter as sgl
-from bastion_sglang.sglang_adapter import (
+from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.sglang_adapter import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,

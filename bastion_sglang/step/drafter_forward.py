@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from bastion_sglang import kernels
-from bastion_sglang import sglang_adapter as sgl
 from bastion_sglang.controller.lattice_tree import selector_logprobs
-from bastion_sglang.draft_protocols import DraftLogitsRewriter
+from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, draft_tp_context
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.rank_sync import DraftHead
-from bastion_sglang.sglang_adapter import DFlashWorkerV2, draft_tp_context
-from bastion_sglang.spec_input import prepare_draft_forward
+from bastion_sglang.step.draft_protocols import DraftLogitsRewriter
+from bastion_sglang.step.rank_sync import DraftHead
+from bastion_sglang.step.spec_input import prepare_draft_forward
 
 if TYPE_CHECKING:
-    from bastion_sglang.target_forward import DecodeInputs
+    from bastion_sglang.step.target_forward import DecodeInputs
 
 
 class DrafterForward:

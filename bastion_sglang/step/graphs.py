@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bastion_sglang.config import config_of
-from bastion_sglang.graph_buckets import EagerReason, VerifyShape, choose_verify_shape, validate_graph_widths
-from bastion_sglang.sglang_adapter import (
+from bastion_sglang.integration.config import config_of
+from bastion_sglang.integration.sglang_adapter import (
     Backend,
     DecodeCudaGraphRunner,
     Phase,
@@ -50,7 +49,13 @@ from bastion_sglang.sglang_adapter import (
     get_context,
     get_spec,
 )
-from bastion_sglang.spec_input import BastionVerifyInput
+from bastion_sglang.step.graph_buckets import (
+    EagerReason,
+    VerifyShape,
+    choose_verify_shape,
+    validate_graph_widths,
+)
+from bastion_sglang.step.spec_input import BastionVerifyInput
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bastion_sglang.step_anatomy import Level, StepAnatomy, StepCounts
+from bastion_sglang.step.step_anatomy import Level, StepAnatomy, StepCounts
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,12 @@ REQUEST_ATTR = "_bastion_step_anatomy"
 SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 """Where the anatomy is installed (a BEFORE hook)."""
 _WORKER = "bastion_sglang.worker.BastionWorker"
-_CONTROLLER = "bastion_sglang.step_controller.StepController"
+_CONTROLLER = "bastion_sglang.step.step_controller.StepController"
 BASTION_TARGETS = (
     f"{_WORKER}.forward_batch_generation",
     f"{_WORKER}._plain_step",
     f"{_WORKER}._tree_step",
-    "bastion_sglang.timing.StageTimer.stage",
+    "bastion_sglang.step.timing.StageTimer.stage",
     f"{_CONTROLLER}.begin",
     f"{_CONTROLLER}.draft_horizon",
     f"{_CONTROLLER}.end",
@@ -87,7 +87,7 @@ def _install_if_requested(scheduler: Any, server_args: Any, *args: Any, **kwargs
     request = request_of(server_args)
     if request is None:
         return
-    from bastion_sglang import sglang_adapter as sgl
+    from bastion_sglang.integration import sglang_adapter as sgl
 
     sgl.require(sgl.STEP_ANATOMY_HOOKS)
     serving_bastion = str(server_args.speculative_algorithm or "").upper() == "BASTION"
@@ -117,7 +117,7 @@ class AnatomyHooks:
     def targets(self, serving_bastion: bool) -> dict[str, Callable[..., Any]]:
         """Dotted target -> its AROUND hook: SGLang's (`sglang_adapter.STEP_ANATOMY_HOOKS`), and BASTION's
         own where the process serves BASTION."""
-        from bastion_sglang import sglang_adapter as sgl
+        from bastion_sglang.integration import sglang_adapter as sgl
 
         sglang_hooks = {
             sgl.PREPARE_FOR_DECODE.target: self.prepare_for_decode,

@@ -749,7 +749,8 @@ def mismatch_message(missing: Sequence[Internal], installed: str | None, pinned:
     lines = "\n".join(f"  - {internal}" for internal in missing)
     return (
         f"BASTION needs SGLang {pinned} (installed: {installed or 'none'}); these SGLang internals are "
-        f"missing or moved:\n{lines}\nInstall sglang=={pinned}, or update bastion_sglang/sglang_adapter.py."
+        f"missing or moved:\n{lines}\nInstall sglang=={pinned}, or update "
+        "bastion_sglang/integration/sglang_adapter.py."
     )
 
 

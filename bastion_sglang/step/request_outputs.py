@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang import sglang_adapter as sgl
-from bastion_sglang.graph_buckets import real_rows
-from bastion_sglang.sglang_adapter import (
+from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.sglang_adapter import (
     DFlashWorkerV2,
     SpeculativeSamplingMaskCapture,
     get_server_return_hidden_states_mode,
 )
+from bastion_sglang.step.graph_buckets import real_rows
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch

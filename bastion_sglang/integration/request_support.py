@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bastion_sglang import sglang_adapter  # noqa: F401  (importing it checks REQUEST_FIELDS)
+from bastion_sglang.integration import sglang_adapter  # noqa: F401  (importing it checks REQUEST_FIELDS)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
