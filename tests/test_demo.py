@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 import pytest
 from transformers import AutoTokenizer
 
-from bastion_sglang import cli, demo
+from bastion_sglang import cli
 from bastion_sglang.assets import SMOLLM2_PACKAGE, DataPackage, MissingPackageError, package_file
+from bastion_sglang.demo import target as demo
 from bastion_sglang.demo.target import (
     MANIFEST_NAME,
     SMOLLM2_GGUF_NAME,
