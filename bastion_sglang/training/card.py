@@ -34,6 +34,14 @@ class DataSummary(BaseModel):
     max_new_tokens: int
     generation_dtype: str
     generation_seconds: float = Field(description="wall time of the regeneration, train + held-out")
+    token_data: str | None = Field(
+        default=None,
+        description="committed token-data folder the training sequences came from (`training.token_data`); "
+        "None: regenerated with captured features",
+    )
+    validation_sequences: int = Field(
+        default=0, ge=0, description="training-split sequences kept out of training to choose settings on"
+    )
 
 
 class TrainingSummary(BaseModel):
@@ -51,6 +59,9 @@ class TrainingSummary(BaseModel):
     device: str
     final_loss: float | None
     acceptance: AcceptanceReport | None = Field(description="held-out chain acceptance at steps_done")
+    validation: AcceptanceReport | None = Field(
+        default=None, description="chain acceptance on the validation sequences at steps_done"
+    )
     backbone_acceptance: AcceptanceReport | None = Field(
         default=None, description="DFlash2: the frozen backbone's DFlash chain on the same held-out blocks"
     )
@@ -81,9 +92,11 @@ def write_card(
     acceptance: AcceptanceReport | None,
     mask_token: str,
     backbone_acceptance: AcceptanceReport | None = None,
+    validation: AcceptanceReport | None = None,
 ) -> Path:
     """Write folder/README.md for a drafter at `state.step`; returns its path. backbone_acceptance: a DFlash2
-    drafter's frozen backbone measured on the same blocks."""
+    drafter's frozen backbone measured on the same blocks; validation: the chain on the validation
+    sequences (`DataSummary.validation_sequences`)."""
     summary = TrainingSummary(
         data=data,
         config=state.config,
@@ -94,6 +107,7 @@ def write_card(
         final_loss=state.history[-1].loss if state.history else None,
         acceptance=acceptance,
         backbone_acceptance=backbone_acceptance,
+        validation=validation,
     )
     family = ["dflash"] if drafter.selector is None else ["dflash2", "dflash"]
     metadata = CardMetadata(
@@ -160,6 +174,17 @@ def _initialisation(config: TrainConfig, initial: InitialDrafter | None) -> str:
     return "Initialised at random."
 
 
+def _token_data_note(data: DataSummary) -> str:
+    """The sentence naming the committed token data and the validation sequences, if any."""
+    if data.token_data is None:
+        return ""
+    return (
+        f" The training sequences are the committed token ids of `{data.token_data}` (the target's "
+        f"features computed from them during training); {data.validation_sequences} of them were kept out "
+        "of training to choose settings on."
+    )
+
+
 def _prose(
     name: str, base_model: str, drafter: DrafterConfig, summary: TrainingSummary, mask_token: str
 ) -> str:
@@ -191,7 +216,8 @@ def _prose(
         f"the held-out split is never trained on). The target answered each prompt greedily "
         f"({data.generation_dtype}, up to {data.max_new_tokens} new tokens): {data.train_sequences} "
         f"sequences, {data.train_response_tokens} response tokens; {data.heldout_sequences} held-out "
-        f"sequences for measurement. Regeneration took {data.generation_seconds / 3600:.2f} h.",
+        f"sequences for measurement. Regeneration took {data.generation_seconds / 3600:.2f} h."
+        + _token_data_note(data),
         "",
         "## Training",
         "",
@@ -219,6 +245,12 @@ def _prose(
             "|---|---|",
             *(f"| {source} | {mean:.2f} |" for source, mean in report.by_source.items()),
             f"| all | {report.mean:.2f} |",
+        ]
+    if summary.validation is not None:
+        lines += [
+            "",
+            f"On the {data.validation_sequences} validation sequences ({summary.validation.blocks} blocks): "
+            f"{summary.validation.mean:.2f}.",
         ]
     lines += [
         "",

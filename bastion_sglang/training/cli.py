@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +31,15 @@ from bastion_sglang.integration.drafter_config import (
 )
 from bastion_sglang.training import selector_cli
 from bastion_sglang.training.card import DataSummary, describe_initial_drafter, write_card
-from bastion_sglang.training.data import load_training_sequences, regenerate
+from bastion_sglang.training.data import (
+    TrainingSequence,
+    load_training_sequences,
+    regenerate,
+    target_fingerprint,
+)
+from bastion_sglang.training.target_features import TargetFeatures
+from bastion_sglang.training.token_data import TokenDataManifest
+from bastion_sglang.training.token_train import load_token_training
 from bastion_sglang.training.train import (
     STATE_JSON_NAME,
     AcceptancePoint,
@@ -87,6 +96,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="regenerated data and run state (default: <cache>/drafter-data/<target folder name>)",
+    )
+    parser.add_argument(
+        "--token-data",
+        type=Path,
+        default=None,
+        help="train on the token ids of this committed token-data folder (`training.token_gen`), the "
+        "target's features computed from them at each step, instead of regenerating training data",
+    )
+    parser.add_argument(
+        "--validation-sequences",
+        type=int,
+        default=48,
+        help="with --token-data: training-split sequences kept out of training and measured at every "
+        "checkpoint, to choose settings on (default 48)",
     )
     parser.add_argument("--resume", action="store_true", help="continue the training run in the data dir")
     parser.add_argument("--data-only", action="store_true", help="stop after regenerating the data")
@@ -216,24 +239,45 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     heldout_prompts = plan_prompts(args.prompt_sets, "heldout", args.heldout_prompts_per_set)
-    train_prompts = plan_prompts(args.prompt_sets, "train", args.train_prompts_per_set)
+    token_training = None
+    if args.token_data is not None:
+        if args.arch == "dflash2":
+            raise SystemExit("error: --token-data trains DFlash drafters only; --arch dflash2 regenerates")
+        token_training = _token_training(args, target, layer_ids, device)
     heldout_manifest = regenerate(target, heldout_prompts, data_dir / "heldout", **common)
-    train_manifest = regenerate(target, train_prompts, data_dir / "train", **common)
-    if args.data_only:
-        print(f"data ready in {data_dir}")
-        return 0
-    train_sequences = load_training_sequences(data_dir / "train")
     heldout_sequences = load_training_sequences(data_dir / "heldout")
-    data_summary = DataSummary(
-        target=str(target),
-        prompt_sets=[str(s) for s in args.prompt_sets],
-        train_sequences=len(train_sequences),
-        train_response_tokens=sum(s.num_response_tokens for s in train_manifest.shards),
-        heldout_sequences=len(heldout_sequences),
-        max_new_tokens=args.max_new_tokens,
-        generation_dtype=args.gen_dtype,
-        generation_seconds=train_manifest.generation_seconds + heldout_manifest.generation_seconds,
-    )
+    if token_training is not None:
+        train_sequences, validation_sequences = token_training.train, token_training.validation
+        token_manifest = token_training.manifest
+        data_summary = DataSummary(
+            target=str(target),
+            prompt_sets=list(token_manifest.prompt_sets),
+            train_sequences=len(train_sequences),
+            train_response_tokens=sum(int(t.tokens.shape[0]) - t.prompt_length for t in train_sequences),
+            heldout_sequences=len(heldout_sequences),
+            max_new_tokens=token_manifest.settings.max_new_tokens,
+            generation_dtype=token_manifest.settings.dtype,
+            generation_seconds=token_manifest.generation_seconds + heldout_manifest.generation_seconds,
+            token_data=str(args.token_data),
+            validation_sequences=len(validation_sequences),
+        )
+    else:
+        train_prompts = plan_prompts(args.prompt_sets, "train", args.train_prompts_per_set)
+        train_manifest = regenerate(target, train_prompts, data_dir / "train", **common)
+        if args.data_only:
+            print(f"data ready in {data_dir}")
+            return 0
+        train_sequences, validation_sequences = load_training_sequences(data_dir / "train"), []
+        data_summary = DataSummary(
+            target=str(target),
+            prompt_sets=[str(s) for s in args.prompt_sets],
+            train_sequences=len(train_sequences),
+            train_response_tokens=sum(s.num_response_tokens for s in train_manifest.shards),
+            heldout_sequences=len(heldout_sequences),
+            max_new_tokens=args.max_new_tokens,
+            generation_dtype=args.gen_dtype,
+            generation_seconds=train_manifest.generation_seconds + heldout_manifest.generation_seconds,
+        )
     if args.arch == "dflash2":
         return selector_cli.run(args, target, data_dir, data_summary, train_sequences, heldout_sequences)
 
@@ -269,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         device,
         initial_weights,
         initialised_from,
+        features=None if token_training is None else token_training.features.fill,
     )
     if args.resume:
         trainer.resume()
@@ -290,11 +335,30 @@ def run(args: argparse.Namespace) -> int:
             AcceptancePoint(step=current.state.step, mean=report.mean, blocks=report.blocks)
         )
         logger.info(
-            "step %d: held-out chain acceptance %.3f over %d blocks",
+            "step %d: held-out chain acceptance %.3f over %d blocks %s",
             current.state.step,
             report.mean,
             report.blocks,
+            {source: round(mean, 3) for source, mean in report.by_source.items()},
         )
+        validation = None
+        if validation_sequences:
+            validation = chain_acceptance(
+                current.drafter,
+                frozen,
+                validation_sequences,
+                stride=args.eval_stride,
+                precision=train_config.precision,
+            )
+            current.state.validation.append(
+                AcceptancePoint(step=current.state.step, mean=validation.mean, blocks=validation.blocks)
+            )
+            logger.info(
+                "step %d: validation chain acceptance %.3f over %d blocks",
+                current.state.step,
+                validation.mean,
+                validation.blocks,
+            )
         export_drafter(current, args.out)
         write_card(
             args.out,
@@ -307,11 +371,47 @@ def run(args: argparse.Namespace) -> int:
             device=str(device),
             acceptance=report,
             mask_token=mask_token,
+            validation=validation,
         )
 
     state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
     print(f"drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
     return 0
+
+
+@dataclass(frozen=True)
+class TokenTraining:
+    """Sequences of --token-data (validation ones with their features computed) and the feature source."""
+
+    train: list[TrainingSequence]
+    validation: list[TrainingSequence]
+    manifest: TokenDataManifest
+    features: TargetFeatures
+
+
+def _token_training(
+    args: argparse.Namespace, target: Path, layer_ids: list[int], device: torch.device
+) -> TokenTraining:
+    """Read --token-data (SystemExit naming it when it is unusable or from another target)."""
+    try:
+        data = load_token_training(args.token_data, args.validation_sequences)
+    except ValueError as error:
+        raise SystemExit(f"error: --token-data: {error}") from None
+    fingerprint = target_fingerprint(target)
+    if data.manifest.settings.target_fingerprint != fingerprint:
+        raise SystemExit(
+            f"error: --token-data {args.token_data} was generated with another target (fingerprint "
+            f"{data.manifest.settings.target_fingerprint[:12]}, --target has {fingerprint[:12]})"
+        )
+    features = TargetFeatures(target, layer_ids, device)
+    logger.info(
+        "%s: %d training and %d validation sequences (%d chunks)",
+        args.token_data,
+        len(data.train),
+        len(data.validation),
+        len(data.manifest.chunks),
+    )
+    return TokenTraining(data.train, features.fill(data.validation), data.manifest, features)
 
 
 def initialisation(

@@ -129,6 +129,11 @@ class TrainingState(BaseModel):
     supervised_positions: int = Field(ge=0, description="block positions with a label, summed")
     history: list[LogPoint] = Field(default_factory=list)
     acceptance: list[AcceptancePoint] = Field(default_factory=list, description="held-out, per checkpoint")
+    validation: list[AcceptancePoint] = Field(
+        default_factory=list,
+        description="chain acceptance on training sequences kept out of training (settings are chosen on "
+        "these, never on the held-out split), per checkpoint",
+    )
     initialised_from: InitialDrafter | None = Field(
         default=None, description="the trained drafter the run started from (`TrainConfig.init_from_drafter`)"
     )
@@ -449,9 +454,12 @@ class Trainer:
         device: torch.device,
         initial_weights: dict[str, torch.Tensor] | None = None,
         initialised_from: InitialDrafter | None = None,
+        features: Callable[[list[TrainingSequence]], list[TrainingSequence]] | None = None,
     ) -> None:
         """initial_weights: a partial drafter state dict applied over the seeded random init;
-        initialised_from: where they came from when they are a trained drafter's (kept in the state)."""
+        initialised_from: where they came from when they are a trained drafter's (kept in the state);
+        features: fills in the features of each step's sequences when they come without (token-id
+        data, `target_features.TargetFeatures.fill`)."""
         if not sequences:
             raise ValueError("no training sequence has a response of >= 2 tokens")
         self.config = config
@@ -459,6 +467,7 @@ class Trainer:
         self.sequences = sequences
         self.state_dir = state_dir
         self.device = device
+        self.features = features
         self.weights = position_weights(drafter_config.block_size, config.loss_decay)
         torch.manual_seed(config.seed)
         self.drafter = DFlashDrafter(drafter_config)
@@ -519,6 +528,8 @@ class Trainer:
     def train_step(self, step: int) -> LossResult:
         """One optimiser step on the batch of `step`."""
         sequences, anchors = batch_for_step(self.sequences, self.config, step)
+        if self.features is not None:
+            sequences = self.features(sequences)
         batch = make_blocks(
             sequences, anchors, self.state.drafter_config.block_size, self.state.drafter_config.mask_token_id
         ).to(self.device)

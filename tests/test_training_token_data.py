@@ -1,0 +1,294 @@
+"""Token-id training data: chunk files and manifest, generation through `sglang.Engine`, the target's
+features computed from ids, the validation split, and `bastion train-drafter --token-data` end to end.
+
+Runs on a tiny random Llama target (tests/tiny_models.py); one test starts a real `sglang.Engine` on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import MASK_ID, make_tiny_target
+
+from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
+from bastion_sglang.cli import main
+from bastion_sglang.training.card import read_card_metadata
+from bastion_sglang.training.data import target_fingerprint
+from bastion_sglang.training.target_features import TargetFeatures, training_sequence
+from bastion_sglang.training.token_data import (
+    TokenChunk,
+    TokenDataManifest,
+    TokenGenSettings,
+    TokenSequence,
+    load_token_data,
+    read_chunk,
+    read_token_manifest,
+    write_chunk,
+    write_token_manifest,
+)
+from bastion_sglang.training.token_train import VALIDATION_STRIDE, load_token_training, validation_keys
+
+LAYER_IDS = (1, 2)
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_target(
+        tmp_path_factory.mktemp("target"), arch="llama", num_layers=4, initializer_range=0.2, seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "tiny.jsonl"
+    lines = [json.dumps({"id": i, "prompt": f"say {i} then {3 * i} " * (1 + i % 3)}) for i in range(20)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def greedy(target: Path, prompt_ids: list[int], max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
+    """The HF target's greedy answer (its EOS included when it stops on one)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def write_token_folder(target: Path, prompt_file: Path, out: Path, chunk_size: int = 6) -> TokenDataManifest:
+    """A token-data folder of the prompt file's training split, answered by the HF target greedily."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = load_prompts(prompt_file, "train")
+    out.mkdir(parents=True)
+    manifest = TokenDataManifest(
+        target=target.name,
+        settings=TokenGenSettings(
+            target_fingerprint=target_fingerprint(target),
+            sglang_version="test",
+            dtype="float32",
+            max_new_tokens=MAX_NEW_TOKENS,
+            max_prompt_tokens=512,
+        ),
+        prompt_sets=(str(prompt_file),),
+        chunk_size=chunk_size,
+        planned_keys=tuple(p.key for p in prompts),
+    )
+    for start in range(0, len(prompts), chunk_size):
+        group = prompts[start : start + chunk_size]
+        ids = [chat_prompt_ids(tokenizer, p) for p in group]
+        answers = [greedy(target, i) for i in ids]
+        file = f"chunk-{len(manifest.chunks):05d}.npz"
+        manifest.chunks.append(
+            TokenChunk(
+                file=file,
+                sha256=write_chunk(out / file, ids, answers),
+                prompt_keys=tuple(p.key for p in group),
+                prompt_tokens=sum(map(len, ids)),
+                response_tokens=sum(map(len, answers)),
+                generation_seconds=0.0,
+            )
+        )
+    write_token_manifest(out, manifest)
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def token_dir(target: Path, prompt_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokens") / "data"
+    write_token_folder(target, prompt_file, out)
+    return out
+
+
+# --- chunk files and manifest -------------------------------------------------------------------------------
+
+
+def test_chunk_round_trip_keeps_every_id(tmp_path: Path) -> None:
+    prompts, responses = [[1, 2, 3], [65535, 0]], [[7, 8], [9]]
+    digest = write_chunk(tmp_path / "c.npz", prompts, responses)
+    chunk = TokenChunk(
+        file="c.npz",
+        sha256=digest,
+        prompt_keys=("a/1", "b/2"),
+        prompt_tokens=5,
+        response_tokens=3,
+        generation_seconds=1.0,
+    )
+    sequences = read_chunk(tmp_path, chunk)
+    assert [s.key for s in sequences] == ["a/1", "b/2"]
+    assert [s.prompt.tolist() for s in sequences] == prompts
+    assert [s.response.tolist() for s in sequences] == responses
+    assert [s.source for s in sequences] == ["a", "b"]
+    with np.load(tmp_path / "c.npz") as arrays:
+        assert arrays["prompt_tokens"].dtype == np.uint16
+
+
+def test_chunk_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"c\.npz prompts: token id outside 0\.\.65535"):
+        write_chunk(tmp_path / "c.npz", [[65536]], [[1]])
+    digest = write_chunk(tmp_path / "c.npz", [[1, 2]], [[3]])
+    good = dict(file="c.npz", sha256=digest, prompt_keys=("a/1",), generation_seconds=0.0)
+    with pytest.raises(
+        ValueError, match=r"c\.npz: 2 prompt and 1 response tokens, the manifest says 2 and 4"
+    ):
+        read_chunk(tmp_path, TokenChunk(**good, prompt_tokens=2, response_tokens=4))
+    with pytest.raises(ValueError, match=r"c\.npz: prompt_offsets has 2 entries, expected 3"):
+        read_chunk(
+            tmp_path,
+            TokenChunk(**(good | {"prompt_keys": ("a/1", "a/2")}), prompt_tokens=2, response_tokens=1),
+        )
+    with pytest.raises(ValueError, match=r"c\.npz: SHA-256 .* differs from the manifest's"):
+        read_chunk(tmp_path, TokenChunk(**(good | {"sha256": "0" * 64}), prompt_tokens=2, response_tokens=1))
+    with pytest.raises(ValueError, match=r"d\.npz: chunk listed in .* is missing"):
+        read_chunk(tmp_path, TokenChunk(**(good | {"file": "d.npz"}), prompt_tokens=2, response_tokens=1))
+
+
+def test_manifest_errors_name_the_file(tmp_path: Path) -> None:
+    assert read_token_manifest(tmp_path) is None
+    (tmp_path / "manifest.json").write_text('{"format_version": 1}')
+    with pytest.raises(ValueError, match=r"manifest\.json: not a token-data manifest"):
+        read_token_manifest(tmp_path)
+    with pytest.raises(ValueError, match=r"no manifest\.json; not a token-data folder"):
+        load_token_data(tmp_path / "nothing")
+
+
+def test_token_folder_holds_the_targets_greedy_answers(
+    target: Path, prompt_file: Path, token_dir: Path
+) -> None:
+    manifest = read_token_manifest(token_dir)
+    assert manifest is not None and manifest.todo_keys == []
+    sequences = load_token_data(token_dir)
+    assert [s.key for s in sequences] == list(manifest.planned_keys) == manifest.done_keys
+    assert len(load_token_data(token_dir, max_chunks=1)) == manifest.chunk_size
+    assert manifest.response_tokens == sum(len(s.response) for s in sequences)
+
+
+# --- generation through sglang.Engine -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_engine_generation_is_greedy_resumes_by_chunk_and_rejects_other_settings(
+    target: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from bastion_sglang.training.token_gen import generate
+
+    out = tmp_path / "gen"
+    options = dict(max_new_tokens=MAX_NEW_TOKENS, chunk_size=4, max_running_requests=8, max_total_tokens=4096)
+    first = generate(target, out, [str(prompt_file)], max_chunks=2, **options)
+    assert len(first.chunks) == 2 and len(first.todo_keys) == 18 - 8  # 20 prompts, 2 held out
+    final = generate(target, out, [str(prompt_file)], **options)
+    assert [c.file for c in final.chunks[:2]] == [c.file for c in first.chunks]  # resumed, not redone
+    assert final.todo_keys == [] and len(final.chunks) == 5
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = {p.key: p for p in load_prompts(prompt_file, "train")}
+    assert set(final.done_keys) == set(prompts)
+    for sequence in load_token_data(out)[:6]:
+        ids = chat_prompt_ids(tokenizer, prompts[sequence.key])
+        assert sequence.prompt.tolist() == ids
+        assert sequence.response.tolist() == greedy(target, ids)
+    with pytest.raises(ValueError, match=r"manifest\.json: settings differs from this run's"):
+        generate(target, out, [str(prompt_file)], **(options | {"max_new_tokens": 5}))
+
+
+# --- features from ids, validation split --------------------------------------------------------------------
+
+
+def test_features_from_ids_equal_the_targets_hidden_states(target: Path, token_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    sequences = [training_sequence(s) for s in load_token_data(token_dir)[:3]]
+    assert all(s.features.numel() == 0 for s in sequences)
+    filled = TargetFeatures(target, LAYER_IDS, torch.device("cpu")).fill(sequences)
+    alone = TargetFeatures(target, LAYER_IDS, torch.device("cpu")).fill(sequences[2:])[0]
+    for sequence in filled:
+        with torch.no_grad():
+            hidden = model(sequence.tokens[None], output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[i + 1][0] for i in LAYER_IDS], dim=-1)
+        assert sequence.features.shape == expected.shape and sequence.features.dtype == torch.bfloat16
+        torch.testing.assert_close(
+            sequence.features.float(), expected, atol=0.02 * float(expected.abs().max()), rtol=0.01
+        )
+    torch.testing.assert_close(alone.features, filled[2].features)  # padding in the batch changes nothing
+    with pytest.raises(ValueError, match=r"target_layer_ids \[4\] outside 0\.\.3"):
+        TargetFeatures(target, (1, 4), torch.device("cpu"))
+
+
+def test_validation_sequences_are_every_fourth_of_the_first_and_never_trained(token_dir: Path) -> None:
+    keys = [f"s/{i}" for i in range(10)]
+    assert validation_keys(keys, 2) == {"s/0", "s/4"}
+    assert validation_keys(keys, 0) == set()
+    with pytest.raises(
+        ValueError, match="3 validation sequences need 12 generated sequences, the token data has 10"
+    ):
+        validation_keys(keys, 3)
+    data = load_token_training(token_dir, 2)
+    manifest = read_token_manifest(token_dir)
+    assert manifest is not None
+    assert [s.key for s in data.validation] == manifest.done_keys[
+        0 : 2 * VALIDATION_STRIDE : VALIDATION_STRIDE
+    ]
+    assert not {s.key for s in data.train} & {s.key for s in data.validation}
+    assert len(data.train) + len(data.validation) == len(manifest.done_keys)
+    with pytest.raises(ValueError, match="no generated chunk yet"):
+        load_token_training(token_dir.parent / "absent", 2)
+
+
+# --- train-drafter --token-data -----------------------------------------------------------------------------
+
+
+def test_train_drafter_on_token_data_end_to_end(
+    target: Path, prompt_file: Path, token_dir: Path, tmp_path: Path
+) -> None:
+    argv = [
+        "train-drafter",
+        "--target", str(target),
+        "--out", str(tmp_path / "out"),
+        "--data-dir", str(tmp_path / "data"),
+        "--prompt-sets", str(prompt_file),
+        "--token-data", str(token_dir),
+        "--validation-sequences", "2",
+        "--steps", "3",
+        "--layers", "1",
+        "--block-size", "8",
+        "--target-layer-ids", ",".join(map(str, LAYER_IDS)),
+        "--mask-token-id", str(MASK_ID),
+        "--max-new-tokens", str(MAX_NEW_TOKENS),
+        "--gen-batch-size", "6",
+        "--gen-dtype", "float32",
+        "--anchors", "4",
+        "--warmup-steps", "1",
+        "--eval-stride", "2",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = read_card_metadata(tmp_path / "out" / "README.md").bastion_training
+    assert summary.steps_done == 3
+    assert summary.data.token_data == str(token_dir)
+    assert (summary.data.train_sequences, summary.data.validation_sequences) == (16, 2)
+    assert summary.data.heldout_sequences == 2  # the held-out split, regenerated for measurement only
+    assert summary.validation is not None and 1.0 <= summary.validation.mean <= 8
+    assert summary.acceptance is not None
+    state = json.loads((tmp_path / "data" / "runs" / "out" / "state.json").read_text())
+    assert [p["step"] for p in state["validation"]] == [3]
+    assert (
+        "of them were kept out of training to choose settings on"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
+    assert main([*argv, "--resume"]) == 0
+    other = make_tiny_target(tmp_path / "other", arch="llama", num_layers=4, initializer_range=0.2, seed=1)
+    with pytest.raises(SystemExit, match="was generated with another target"):
+        main([*argv[:2], str(other), *argv[3:4], str(tmp_path / "o2"), *argv[5:]])
+
+
+def test_token_sequence_source_is_the_set() -> None:
+    sequence = TokenSequence("sharegpt/abc_0", np.array([1]), np.array([2, 3]))
+    assert sequence.source == "sharegpt"
