@@ -284,6 +284,11 @@ def test_train_drafter_on_token_data_end_to_end(
         in (tmp_path / "out" / "README.md").read_text()
     )
     assert main([*argv, "--resume"]) == 0
+    follow = [*argv[:4], str(tmp_path / "follow"), *argv[5:], "--init-from-drafter", str(tmp_path / "out")]
+    assert main(follow) == 0
+    state = json.loads((tmp_path / "data" / "runs" / "follow" / "state.json").read_text())
+    assert [p["step"] for p in state["acceptance"]] == [0, 3]  # the starting drafter, measured first
+    assert [p["step"] for p in state["validation"]] == [0, 3]
     other = make_tiny_target(tmp_path / "other", arch="llama", num_layers=4, initializer_range=0.2, seed=1)
     with pytest.raises(SystemExit, match="was generated with another target"):
         main([*argv[:2], str(other), *argv[3:4], str(tmp_path / "o2"), *argv[5:]])

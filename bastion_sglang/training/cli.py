@@ -43,6 +43,7 @@ from bastion_sglang.training.token_train import load_token_training
 from bastion_sglang.training.train import (
     STATE_JSON_NAME,
     AcceptancePoint,
+    AcceptanceReport,
     InitialDrafter,
     TrainConfig,
     Trainer,
@@ -323,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
             "that folder to start over"
         )
 
-    def export(current: Trainer) -> None:
+    def measure(current: Trainer) -> tuple[AcceptanceReport, AcceptanceReport | None]:
+        """Held-out and validation chain acceptance of the current drafter, recorded in its state."""
         report = chain_acceptance(
             current.drafter,
             frozen,
@@ -359,6 +361,10 @@ def run(args: argparse.Namespace) -> int:
                 validation.mean,
                 validation.blocks,
             )
+        return report, validation
+
+    def export(current: Trainer) -> None:
+        report, validation = measure(current)
         export_drafter(current, args.out)
         write_card(
             args.out,
@@ -374,6 +380,8 @@ def run(args: argparse.Namespace) -> int:
             validation=validation,
         )
 
+    if trainer.state.step == 0 and initialised_from is not None:
+        measure(trainer)  # the starting drafter's figures, at step 0, on the same blocks
     state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
     print(f"drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
     return 0
