@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sglang.srt.models.dflash as sglang_dflash
+import sglang.srt.speculative.dflash_worker_v2 as sglang_worker
 import torch
 from safetensors.torch import load_file
 from tiny_dflash2 import make_tiny_dflash2_drafter
@@ -23,8 +25,6 @@ from bastion_sglang.step.drafter_forward import DrafterForward
 from bastion_sglang.step.rank_sync import DraftHead
 from bastion_sglang.step.step_anatomy import OUTSIDE, StepAnatomy, StepCounts
 
-sglang_dflash = pytest.importorskip("sglang.srt.models.dflash")
-sglang_worker = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SINGLE_RANK = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sglang.srt.models.dflash as sglang_dflash
+import sglang.srt.speculative.dflash_worker_v2 as sglang_worker
 import torch
 from safetensors.torch import load_file
 from tiny_dflash2 import make_tiny_dflash2_drafter
@@ -28,8 +30,6 @@ from bastion_sglang.reference.selector import (
 )
 from bastion_sglang.step.draft_protocols import DraftInput
 
-sglang_dflash = pytest.importorskip("sglang.srt.models.dflash")
-sglang_worker = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SINGLE_RANK = dict(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0)
 """SGLang's parallel layers read these; one process is one rank."""

@@ -12,11 +12,15 @@ import torch
 from bastion_sglang import kernels
 from bastion_sglang.controller.batched import DraftTreeBatch
 from bastion_sglang.controller.tree import build_tree
-from bastion_sglang.kernels import NO_NODE, AcceptResult, TreeBatch, reference
-
-triton_tree = pytest.importorskip("bastion_sglang.kernels.triton_tree")
-triton_accept = pytest.importorskip("bastion_sglang.kernels.triton_accept")
-triton_kv = pytest.importorskip("bastion_sglang.kernels.triton_kv")
+from bastion_sglang.kernels import (
+    NO_NODE,
+    AcceptResult,
+    TreeBatch,
+    reference,
+    triton_accept,
+    triton_kv,
+    triton_tree,
+)
 
 VOCAB = 4096
 

@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sglang = pytest.importorskip("sglang")
-
-from offline_gpu.gpu_bundle import is_dropped, trim_sglang  # noqa: E402
+import sglang
+from offline_gpu.gpu_bundle import is_dropped, trim_sglang
 
 IMPORT_CHECK = Path(__file__).with_name("gpu_bundle_imports.py")
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
