@@ -249,18 +249,8 @@ def run(args: argparse.Namespace) -> int:
     heldout_sequences = load_training_sequences(data_dir / "heldout")
     if token_training is not None:
         train_sequences, validation_sequences = token_training.train, token_training.validation
-        token_manifest = token_training.manifest
-        data_summary = DataSummary(
-            target=str(target),
-            prompt_sets=list(token_manifest.prompt_sets),
-            train_sequences=len(train_sequences),
-            train_response_tokens=sum(int(t.tokens.shape[0]) - t.prompt_length for t in train_sequences),
-            heldout_sequences=len(heldout_sequences),
-            max_new_tokens=token_manifest.settings.max_new_tokens,
-            generation_dtype=token_manifest.settings.dtype,
-            generation_seconds=token_manifest.generation_seconds + heldout_manifest.generation_seconds,
-            token_data=str(args.token_data),
-            validation_sequences=len(validation_sequences),
+        data_summary = _token_summary(
+            args, target, token_training, len(heldout_sequences), heldout_manifest.generation_seconds
         )
     else:
         train_prompts = plan_prompts(args.prompt_sets, "train", args.train_prompts_per_set)
@@ -364,7 +354,17 @@ def run(args: argparse.Namespace) -> int:
         return report, validation
 
     def export(current: Trainer) -> None:
+        nonlocal data_summary
         report, validation = measure(current)
+        if token_training is not None:
+            data = load_token_training(args.token_data, args.validation_sequences)
+            if len(data.train) > len(current.sequences):
+                logger.info("%s: %d training sequences now", args.token_data, len(data.train))
+                current.sequences = data.train  # the chunks generated since: from the next step on
+                token_training.train, token_training.manifest = data.train, data.manifest
+                data_summary = _token_summary(
+                    args, target, token_training, len(heldout_sequences), heldout_manifest.generation_seconds
+                )
         export_drafter(current, args.out)
         write_card(
             args.out,
@@ -387,9 +387,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass(frozen=True)
+def _token_summary(
+    args: argparse.Namespace,
+    target: Path,
+    data: TokenTraining,
+    heldout_sequences: int,
+    heldout_seconds: float,
+) -> DataSummary:
+    """The card's data summary of a --token-data run (its current training sequences)."""
+    manifest = data.manifest
+    return DataSummary(
+        target=str(target),
+        prompt_sets=list(manifest.prompt_sets),
+        train_sequences=len(data.train),
+        train_response_tokens=sum(int(t.tokens.shape[0]) - t.prompt_length for t in data.train),
+        heldout_sequences=heldout_sequences,
+        max_new_tokens=manifest.settings.max_new_tokens,
+        generation_dtype=manifest.settings.dtype,
+        generation_seconds=manifest.generation_seconds + heldout_seconds,
+        token_data=str(args.token_data),
+        validation_sequences=len(data.validation),
+    )
+
+
+@dataclass
 class TokenTraining:
-    """Sequences of --token-data (validation ones with their features computed) and the feature source."""
+    """Sequences of --token-data (validation ones with their features computed) and the feature source;
+    train and manifest follow the chunks generated while the run goes on (refreshed at checkpoints)."""
 
     train: list[TrainingSequence]
     validation: list[TrainingSequence]
