@@ -373,13 +373,22 @@ def _flush_metrics_before_output(streamer: Any, reqs: Any, *args: Any, **kwargs:
 def _validate_request(original: Callable[..., Any], req: Any, enable_overlap: bool) -> str | None:
     """AROUND hook of `dflash_utils.validate_dflash_request(req, enable_overlap)`, SGLang's per-request check
     for the DFlash family: on a BASTION server, also the parameters BASTION cannot honour exactly
-    (`request_support.unsupported_parameter`). A message aborts that request only (HTTP 400)."""
+    (`request_support.unsupported_parameter`), and under synthetic acceptance what its profile does not
+    describe (`request_support.unsupported_under_synthetic_acceptance`). A message aborts that request only
+    (HTTP 400)."""
     error = original(req, enable_overlap)
     if error is not None or not _serving_bastion():
         return error
-    from bastion_sglang.integration.request_support import unsupported_parameter
+    from bastion_sglang.integration import sglang_adapter as sgl
+    from bastion_sglang.integration.request_support import (
+        unsupported_parameter,
+        unsupported_under_synthetic_acceptance,
+    )
 
-    return unsupported_parameter(req)
+    error = unsupported_parameter(req)
+    if error is None and config_of(sgl.get_server_args()).synthetic_acceptance is not None:
+        error = unsupported_under_synthetic_acceptance(req)
+    return error
 
 
 def _serving_bastion() -> bool:

@@ -147,8 +147,7 @@ class BastionWorker(DFlashWorkerV2):
             path,
             draft.profile.name,
         )
-        seed = int(server_args.random_seed or 0)
-        return draft, SyntheticAcceptor(vocab_size, sampling_backend, draft, seed)
+        return draft, SyntheticAcceptor(vocab_size, sampling_backend, draft)
 
     # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
 

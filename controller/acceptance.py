@@ -110,6 +110,16 @@ class AcceptanceCalibration(BaseModel):
         index = [min(d, count - 1) for d in range(depths)]
         return [self.slopes[i] for i in index], [self.offsets[i] for i in index]
 
+    def shifted(self, shifts: np.ndarray) -> AcceptanceCalibration:
+        """This map with log c_d added to each depth's offset (`depth_acceptance.OnlineDepthMap.shifts`, [D]
+        float64): the map the planner applies once the online depth map has learnt c."""
+        if not shifts.any():
+            return self
+        slopes, offsets = self.depth_parameters(max(len(self.slopes), shifts.shape[0]))
+        moved = [b + (float(shifts[d]) if d < shifts.shape[0] else 0.0) for d, b in enumerate(offsets)]
+        events = [*self.events, *[0] * (len(slopes) - len(self.events))]
+        return self.model_copy(update={"slopes": slopes, "offsets": moved, "events": events})
+
     def apply(self, logprobs: torch.Tensor) -> torch.Tensor:
         """Calibrated log-probabilities, same shape, dtype and device, every value <= 0 and sorted rows kept
         sorted (the map is non-decreasing per depth).

@@ -142,6 +142,11 @@ def test_engines_load_dummy_weights_and_skip_the_tokenizer(
             ["--synthetic-acceptance", "nowhere.json"],
             "synthetic acceptance profile nowhere.json: No such file",
         ),
+        (["--synthetic-acceptance", str(SYNTHETIC)], "only the length may end a request"),
+        (
+            ["--synthetic-acceptance", str(SYNTHETIC), "--ignore-eos", "--temperatures", "0,0.7"],
+            "--temperatures 0,0.7 must be 0",
+        ),
     ],
 )
 def test_argument_errors(
@@ -185,8 +190,8 @@ def test_step_anatomy_takes_random_prompts(shapes: tuple[Path, Path, Path]) -> N
 def test_bench_runs_the_config_only_target(shapes: tuple[Path, Path, Path], tmp_path: Path) -> None:
     """`bastion bench` of ar and chain on the config-only target, chain under synthetic acceptance: SGLang
     builds the target with dummy weights and no tokenizer, every request gets its tokens, chain's planner
-    sees the profile's chain (Â of its 8 nodes) and its steps accept about that many tokens (the random
-    drafter alone gets about 1)."""
+    sees the over-confident drafter's chain (the stated Â of its 8 nodes) and its steps accept about what the
+    profile's truth gives (the random drafter alone gets about 1)."""
     _, target, drafter = shapes
     out = tmp_path / "results"
     argv = [
@@ -208,9 +213,10 @@ def test_bench_runs_the_config_only_target(shapes: tuple[Path, Path, Path], tmp_
     for row in rows.values():
         assert (row.requests, row.completion_tokens) == (4, 4 * MAX_NEW_TOKENS)
     chain = rows["chain"]
-    expected = load_synthetic_profile(SYNTHETIC).chain_tau(8)  # 5.34
-    assert chain.mean_expected_accept_length_raw == pytest.approx(expected, rel=0.05)
-    assert 4.0 <= chain.mean_accept_length <= 7.0
+    profile = load_synthetic_profile(SYNTHETIC)
+    stated = profile.stated_chain_accept(8)  # 6.69: the over-confident drafter's chain
+    assert chain.mean_expected_accept_length_raw == pytest.approx(stated, rel=0.05)
+    assert 4.0 <= chain.mean_accept_length <= 7.0  # the truth's chain: 5.34
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""`request_support.unsupported_parameter`: which request parameters a BASTION server refuses, by name."""
+"""`request_support`: which request parameters a BASTION server refuses, by name (`unsupported_parameter`),
+and which a synthetic acceptance profile does not describe (`unsupported_under_synthetic_acceptance`)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ from bastion_sglang.integration.request_support import (
     GRAMMAR_FIELDS,
     REFUSAL_PREFIX,
     unsupported_parameter,
+    unsupported_under_synthetic_acceptance,
 )
 from bastion_sglang.integration.sglang_adapter import REQUEST_FIELDS, Internal
 
 
 def fake_req(**fields: Any) -> SimpleNamespace:
     """The fields of SGLang's `Req` the check reads, all at their accepted defaults unless given."""
+    unset = ("watermark", "beam_width", "stop_strs", "stop_regex_strs", "stop_token_ids", *GRAMMAR_FIELDS)
     params = SimpleNamespace(
-        **{name: fields.pop(name, None) for name in ("watermark", "beam_width", *GRAMMAR_FIELDS)},
+        **{name: fields.pop(name, None) for name in unset},
         ignore_eos=fields.pop("ignore_eos", False),
+        temperature=fields.pop("temperature", 0.0),
+        top_k=fields.pop("top_k", -1),
     )
     defaults = dict(custom_logit_processor=None)
     return SimpleNamespace(sampling_params=params, **(defaults | fields))
@@ -85,6 +90,7 @@ def test_every_field_a_refusal_reads_is_declared_in_the_adapter() -> None:
     the installed SGLang), so an SGLang rename is reported there."""
     req = recording_req()
     assert unsupported_parameter(req) is None
+    assert unsupported_under_synthetic_acceptance(req) is None
     read = {("Req", name) for name in req.read} | {
         ("SamplingParams", name) for name in req.fields["sampling_params"].read
     }
@@ -95,4 +101,29 @@ def test_every_field_a_refusal_reads_is_declared_in_the_adapter() -> None:
 def test_a_missing_field_fails_closed(field: Internal) -> None:
     """A field SGLang no longer has is an error, never a silently accepted request."""
     with pytest.raises(AttributeError, match=str(field.attribute)):
-        unsupported_parameter(recording_req(drop=field.attribute))
+        req = recording_req(drop=field.attribute)
+        unsupported_parameter(req)
+        unsupported_under_synthetic_acceptance(req)
+
+
+def test_a_greedy_request_of_fixed_length_is_described_by_a_synthetic_profile() -> None:
+    assert unsupported_under_synthetic_acceptance(fake_req(ignore_eos=True)) is None
+    assert unsupported_under_synthetic_acceptance(fake_req(ignore_eos=True, temperature=0.7, top_k=1)) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("temperature 0.7", {"temperature": 0.7}),
+        ("a grammar", {"regex": "a+"}),
+        ("stop strings", {"stop_strs": ["\\n"]}),
+        ("stop regexes", {"stop_regex_strs": ["x"]}),
+        ("stop token ids", {"stop_token_ids": {7}}),
+        ("EOS as a stop", {"ignore_eos": False}),
+    ],
+)
+def test_what_a_synthetic_profile_does_not_describe_is_refused(name: str, fields: dict[str, Any]) -> None:
+    message = unsupported_under_synthetic_acceptance(fake_req(**({"ignore_eos": True} | fields)))
+    assert message is not None and message.startswith(REFUSAL_PREFIX)
+    assert f"{name} under synthetic acceptance" in message
+    assert unsupported_parameter(fake_req(**({"ignore_eos": True} | fields) | {"regex": None})) is None

@@ -117,9 +117,11 @@ def test_every_hook_registration_makes_is_declared() -> None:
 def test_glue_takes_sglang_internals_from_the_adapter() -> None:
     """Outside the adapter and the plugin hooks (registration's, the step anatomy's), modules of
     `bastion_sglang/` (every glue module, new ones included) import SGLang only for types."""
+    package = ROOT / "bastion_sglang"
     glue = sorted(
         path
-        for path in (ROOT / "bastion_sglang").glob("*.py")
+        for folder in (package, *(package / group for group in ("step", "integration", "demo", "assets")))
+        for path in folder.glob("*.py")
         if path.stem not in ("sglang_adapter", "registration", "step_anatomy_hooks")
     )
     assert {"worker", "spec_input", "request_support"} <= {path.stem for path in glue}

@@ -164,7 +164,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-total-tokens", type=int, default=None, help="KV pool tokens (default 65536 on cpu)"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="Engine random seed; request i samples with seed+i"
+        "--seed",
+        type=int,
+        default=0,
+        help="Engine random seed; request i of repeat r samples with seed + r*N + i (N prompts) at T > 0 and "
+        "under --synthetic-acceptance, whose draws it keys: the policies of a repeat meet the same ones",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="folder for bench.json and .png"

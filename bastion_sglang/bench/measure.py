@@ -56,14 +56,19 @@ class Measured:
         )
 
 
-def sampling_params(settings: BenchSettings, temperature: float) -> list[dict[str, Any]]:
-    """Per prompt: its sampling parameters at `temperature` (request i samples with seed + i when T > 0)."""
+def sampling_params(settings: BenchSettings, temperature: float, repeat: int) -> list[dict[str, Any]]:
+    """Per prompt: its sampling parameters at `temperature` in repeat `repeat` (1.., 0 for the warm-up).
+    Request i samples with seed + repeat · N + i (N prompts) when T > 0 or under synthetic acceptance, whose
+    true continuations are keyed by the request's seed: every policy of a repeat meets the same draws, and
+    each repeat new ones."""
+    seeded = temperature > 0 or settings.synthetic_acceptance is not None
+    first = settings.seed + repeat * settings.num_prompts
     return [
         {
             "temperature": temperature,
             "max_new_tokens": settings.max_new_tokens,
             "ignore_eos": settings.ignore_eos,
-            **({"sampling_seed": settings.seed + i} if temperature > 0 else {}),
+            **({"sampling_seed": first + i} if seeded else {}),
         }
         for i in range(settings.num_prompts)
     ]

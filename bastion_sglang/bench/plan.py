@@ -288,6 +288,16 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
                 "--synthetic-acceptance replaces BASTION's acceptance only; dflash would accept by its own "
                 "drafter: drop dflash"
             )
+        if any(t > 0 for t in temperatures):
+            raise ValueError(
+                f"--synthetic-acceptance profiles describe greedy continuations: --temperatures "
+                f"{args.temperatures} must be 0"
+            )
+        if not args.ignore_eos:
+            raise ValueError(
+                "--synthetic-acceptance: only the length may end a request (its tokens say nothing of where "
+                "the text would end): add --ignore-eos"
+            )
     if args.random_prompts is not None:
         prompts_name, split = "random", "all"
         prompt_ids = random_prompts(args, model_path)

@@ -80,7 +80,7 @@ def run_group(
             servers.append(PolicyServer.start(context, plan, policy, label, folder))
         warm_up(plan, servers)
         for temperature in settings.temperatures:
-            params = sampling_params(settings, temperature)
+            params = sampling_params(settings, temperature, repeat)
             measurements = {s.policy.name: Measurement.begin(s.policy, s.metrics_dir) for s in servers}
             desc = f"{group[0].name if len(group) == 1 else 'all'} T={temperature:g} repeat {repeat}"
             with tqdm(total=len(params) * len(servers), desc=desc, unit="req", leave=False) as bar:
@@ -122,7 +122,7 @@ def warm_up(plan: BenchPlan, servers: Sequence[PolicyServer]) -> None:
     for temperature in settings.temperatures:
         params = tuple(
             {**request, "max_new_tokens": WARMUP_BATCH_TOKENS, "ignore_eos": True}
-            for request in sampling_params(settings, temperature)[:end]
+            for request in sampling_params(settings, temperature, repeat=0)[:end]
         )
         for server in servers:
             server.stream(0, end, params)

@@ -19,6 +19,13 @@ SGLang when the adapter is imported, which importing this module does) and read 
 default: a field SGLang renames is named by that check, and reading it raises, so a refusal never turns off
 silently.
 
+Under synthetic acceptance (`BastionConfig.synthetic_acceptance`, a speed benchmark whose acceptance follows a
+profile of greedy continuations, not the target) a request is also refused when the profile does not describe
+it (`unsupported_under_synthetic_acceptance`): a temperature above 0 (the profiles are measured at T = 0),
+a grammar (it would constrain tokens the profile draws), or any stop condition but the length (stop strings,
+stop regexes, stop token ids, or EOS without `ignore_eos`: the synthetic tokens say nothing of where the text
+would end).
+
 `return_hidden_states` and `return_sampling_mask` are served (`request_outputs`), under SGLang's own rules for
 the DFlash family: no hidden states under overlap scheduling, no sampling masks with min_p.
 """
@@ -54,6 +61,27 @@ def unsupported_parameter(req: Req) -> str | None:
     for refused, name, reason in refusals:
         if refused:
             return f"{REFUSAL_PREFIX} {name} ({reason}); send it to a server without speculation"
+    return None
+
+
+def unsupported_under_synthetic_acceptance(req: Req) -> str | None:
+    """The refusal message for the first parameter of `req` a synthetic acceptance profile does not describe
+    (module docstring), or None."""
+    params = req.sampling_params
+    refusals = (
+        (params.top_k != 1 and params.temperature > 0.0, f"temperature {params.temperature}", "T = 0 only"),
+        (_has_grammar(params), "a grammar", "it constrains the tokens the profile draws"),
+        (bool(params.stop_strs), "stop strings", "only the length may end a request"),
+        (bool(params.stop_regex_strs), "stop regexes", "only the length may end a request"),
+        (bool(params.stop_token_ids), "stop token ids", "only the length may end a request"),
+        (not params.ignore_eos, "EOS as a stop", "send ignore_eos=True: only the length may end a request"),
+    )
+    for refused, name, reason in refusals:
+        if refused:
+            return (
+                f"{REFUSAL_PREFIX} {name} under synthetic acceptance ({reason}); synthetic acceptance "
+                "profiles describe greedy continuations of a fixed length"
+            )
     return None
 
 

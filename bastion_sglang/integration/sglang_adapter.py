@@ -168,7 +168,7 @@ SERVING_INTERNALS: tuple[Internal, ...] = (
     *_internals(_FORWARD, "get_server_return_hidden_states_mode"),
     *_members(_FORWARD, "ForwardBatch", "init_new", "mark_forward_metadata_ready"),
     *_internals(_RUNTIME, "get_context", "get_disagg", "get_exec", "get_observability"),
-    *_internals(_RUNTIME, "get_parallel", "get_schedule", "get_serving", "get_spec"),
+    *_internals(_RUNTIME, "get_parallel", "get_schedule", "get_server_args", "get_serving", "get_spec"),
     *_internals("sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
     *_internals("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm", "SpecInput", "SpecInputType"),
     *_internals(
@@ -570,6 +570,11 @@ REQUEST_FIELDS: tuple[Internal, ...] = (
         "regex",
         "ebnf",
         "structural_tag",
+        "temperature",
+        "top_k",
+        "stop_strs",
+        "stop_token_ids",
+        "stop_regex_strs",
     ),
 )
 """What `request_support` reads of a request to refuse it: each refusal reads one of these, directly, so a
@@ -814,6 +819,7 @@ from sglang.srt.runtime_context import (
     get_observability,
     get_parallel,
     get_schedule,
+    get_server_args,
     get_serving,
     get_spec,
 )
@@ -866,6 +872,7 @@ __all__ = [
     "get_observability",
     "get_parallel",
     "get_schedule",
+    "get_server_args",
     "get_server_return_hidden_states_mode",
     "get_serving",
     "get_spec",

@@ -26,14 +26,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from bastion_sglang.controller.acceptance import (
     AcceptanceCalibration,
     AcceptanceTracker,
     best_accept_curve,
+    node_log_scores,
 )
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
+from bastion_sglang.controller.depth_acceptance import OnlineDepthMap, depth_reach, shift_logprobs
 from bastion_sglang.controller.gate import (
     DraftedStep,
     DraftEvidence,
@@ -143,6 +146,7 @@ class PendingStep:
     expected_drafted: list[float]  # [B] the plan's calibrated expected accepted drafts per request
     greedy: list[bool]  # [B] whether each request decodes greedily
     scales: list[float]  # [B] acceptance corrections the plan used
+    reach: np.ndarray | None = None  # [B, D] float64 base-map probability of reaching each depth (None: none)
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,9 @@ class StepPlan:
     top: DraftTopK  # [B, h, K] the drafter's candidates
     scales: list[float]  # [B] acceptance corrections
     lattice: DraftLattice | None = None  # [B, D, K, K] a DFlash2 draft's lattice (`top` is its unary top-K)
+    # [B, D] float64 per request the base map's probability that its verified nodes reach depth d, for the
+    # online depth map (`controller.depth_acceptance`); None: not learnt from (a lattice's plan)
+    reach: np.ndarray | None = None
 
     @property
     def mode(self) -> str:
@@ -232,10 +239,8 @@ class StepController:
         self.metrics = metrics
         self.fixed_costs = fixed_costs
         self.gate = SpeculationGate()
-        depth = horizon.depth
-        self._accept_bound = (
-            None if acceptance is None else best_accept_curve(acceptance, depth, branching, budget)
-        )
+        self._branching = branching
+        self.depth_map = OnlineDepthMap(horizon.depth)
         self._bounds: dict[tuple[int, int], tuple[int, SpeculationCeiling]] = {}  # (B, context bucket)
         self.evidence = DraftEvidence()  # what the recent drafted steps said of their text
         self.acceptance_tracker = AcceptanceTracker()
@@ -292,26 +297,29 @@ class StepController:
     def pay_bound(self, step: StepStart) -> SpeculationCeiling | None:
         """The best speedup any tree could give this batch (class docstring), priced once per batch size and
         context bucket (a power of two) every BOUND_REPRICE_STEPS steps; None without a calibration."""
-        if self._accept_bound is None:
+        if self.acceptance is None:
             return None
         key = (step.batch_size, max(step.contexts).bit_length())
         cached = self._bounds.get(key)
         if cached is not None and step.index - cached[0] < BOUND_REPRICE_STEPS:
             return cached[1]
         scale = max(self.acceptance_tracker.corrections(step.greedy))
-        curve = 1.0 + scale * (self._accept_bound - 1.0)
+        mapped = self.acceptance.shifted(self.depth_map.shifts)
+        accept_bound = best_accept_curve(mapped, self.horizon.depth, self._branching, self.budget)
+        curve = 1.0 + scale * (accept_bound - 1.0)
         bound = speculation_ceiling(curve, step.contexts, self.latency, step.costs())
         self._bounds[key] = (step.index, bound)
         return bound
 
     def plan(self, step: StepStart, top: DraftTopK) -> StepPlan:
         """The calibrated best-first trees of `top` ([B, h, K] log-probs and ids) and the batch plan; the
-        gate and the evidence record the plan's speculative speedup and accept curve."""
-        if self.acceptance is None:
-            trees = build_trees_auto_unchecked(top.logprobs, top.token_ids, self.budget)
-        else:  # the raw log-probs scored beside the calibrated trees, for the raw Â metric
-            calibrated = self.acceptance.apply(top.logprobs)
-            trees = build_trees_auto_unchecked(calibrated, top.token_ids, self.budget, raw=top.logprobs)
+        gate and the evidence record the plan's speculative speedup and accept curve. Calibrated: by the
+        acceptance map (raw drafter log-probs without one), then by the online depth map's shifts."""
+        base = top.logprobs if self.acceptance is None else self.acceptance.apply(top.logprobs)
+        planned = shift_logprobs(base, self.depth_map.shifts) if self.depth_map.active else base
+        # the raw log-probs are scored beside calibrated trees, for the raw Â metric
+        raw = None if planned is top.logprobs else top.logprobs
+        trees = build_trees_auto_unchecked(planned, top.token_ids, self.budget, raw=raw)
         scales = self.acceptance_tracker.corrections(step.greedy)
         plan = plan_batch(
             trees,
@@ -327,7 +335,20 @@ class StepController:
         self.gate.record(plan.speculative_speedup)
         gain = horizon_gain(trees, int(top.logprobs.shape[1]), self.horizon.depth, scales)
         self.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
-        return StepPlan(plan, trees, top, scales)
+        return StepPlan(plan, trees, top, scales, reach=self._base_reach(trees, base, top, plan.node_counts))
+
+    def _base_reach(
+        self, trees: DraftTreeBatch, base: torch.Tensor, top: DraftTopK, counts: Sequence[int]
+    ) -> np.ndarray:
+        """[B, D] the base map's probability that each request's verified nodes reach depth d
+        (`depth_acceptance.depth_reach`): the trees' own scores while the depth map shifts nothing, else
+        their nodes scored again under the base log-probs `base` [B, h, K] (copied to the host: the trees'
+        host copy is there already)."""
+        host = trees.on_host()
+        scores = host.log_scores
+        if self.depth_map.active and host.num_nodes > 0:
+            scores = node_log_scores(host.tokens, host.parents, host.depths, base.cpu(), top.token_ids.cpu())
+        return depth_reach(host.depths.numpy(), scores.numpy(), counts, self.horizon.depth)
 
     def plain(self, step: StepStart, top: DraftTopK) -> StepPlan:
         """A drafted step this rank does not plan (a follower under TP): plain decoding until the leader's
@@ -345,7 +366,8 @@ class StepController:
             self._pending.append(PendingStep(step.index, [0.0] * bs, step.greedy, [1.0] * bs))
         else:
             expected = list(planned.plan.expected_drafted)
-            self._pending.append(PendingStep(step.index, expected, step.greedy, planned.scales))
+            pending = PendingStep(step.index, expected, step.greedy, planned.scales, planned.reach)
+            self._pending.append(pending)
         self._speedups.plan(step.index, step.l_ar, bs)
         if self.metrics is None:
             return
@@ -422,6 +444,8 @@ class StepController:
             pending = self._pending.popleft()
             tracker = self.acceptance_tracker
             tracker.observe(pending.expected_drafted, accepted_drafts, pending.greedy, pending.scales)
+            if pending.reach is not None:
+                self.depth_map.observe(pending.reach, accepted_drafts)
             if self.metrics is not None:
                 self.metrics.observe_acceptance(
                     tracker.calibration_error, tracker.correction(True), tracker.correction(False)

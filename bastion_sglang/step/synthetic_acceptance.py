@@ -4,18 +4,28 @@ For benchmarks of a target loaded without its weights (`--load-format dummy`), w
 otherwise propose nothing the target accepts. It replaces both ends of what acceptance depends on:
 
 - the draft (`SyntheticDraft`, a `draft_protocols.DraftLogitsRewriter`): at draft position d (1-based) the
-  drafter's own top-K_p ids get the profile's probabilities q[d, k] (k = 0 the best), the rest of the
-  vocabulary shares what is left, so the planner sees the profile's distribution;
-- the target's tokens (`SyntheticAcceptor`, the accept stage): at each tree step every request draws a true
-  continuation, at position d the rank-k candidate with probability q[d, k] and none of them with the rest,
-  and the target's token after a verify row at depth d is that request's true token at position d + 1 (the
-  row's own argmax where the draw took no candidate, or past the draft: with random weights it is one of
-  the candidates about K_p / V of the time). The accept walk, the commit and everything after run as always.
+  drafter's own top-K_p ids get the probabilities the drafter states, the profile's q[d, k] (k = 0 the best)
+  sharpened by its `drafter_temperature` (over-confident by default, as real drafters are: the planner's
+  acceptance calibration has a difference to find), the rest of the vocabulary shares what is left;
+- the target's tokens (`SyntheticAcceptor`, the accept stage): every request has a true continuation, at
+  sequence position p the rank-k candidate of the draft position that p falls on with probability q[d, k]
+  and none of them with the rest, and the target's token after a verify row at depth d is that request's
+  true token at draft position d + 1 (the row's own argmax where the draw took no candidate, or past the
+  draft: with random weights it is one of the candidates about K_p / V of the time). The accept walk, the
+  commit and everything after run as always.
 
-The planner's Â is then the expected accepted length (independent positions, as it assumes; it also gives
-each other id its share of what q leaves, (1 - Σ q) / (V - K_p), which the draw never takes: a difference of
-that size per node), and the tokens emitted are not the target's: a benchmark of speed only, never a
-server's output.
+Keyed, paired draws. The uniform that picks the rank at sequence position p is a hash of the request's seed
+and p (`truth_uniforms`, the accept walk's `kernels.keyed_uniforms` on a stream of its own), not a draw from a
+generator: every policy (and every batch, schedule and tree) meets the same uniforms at the same positions,
+so policies compared in one repeat face the same continuations, and a repeat that sends new seeds draws new
+ones. A position is resolved by one verify only (the step that accepts past it, or stops at it and emits its
+bonus), and its uniform decides nothing before, so the draws stay independent across positions.
+
+With an oracle drafter (temperature 1) the planner's raw Â is the expected accepted length (independent
+positions, as it assumes; it also gives each other id its share of what q leaves, (1 - Σ q) / (V - K_p),
+which the draw never takes: a difference of that size per node). The tokens emitted are not the target's:
+a benchmark of speed only, never a server's output; requests the profile does not describe (T > 0, grammars,
+stop conditions other than the length) are refused (`request_support`).
 
 The profile file (`synthetic_profile.SyntheticAcceptanceProfile`) holds q for positions 1..D; deeper positions
 take row D.
@@ -27,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bastion_sglang import kernels
 from bastion_sglang.step.accept import Acceptor
 from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile
 
@@ -35,8 +46,8 @@ if TYPE_CHECKING:
 
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    from bastion_sglang import kernels
-
+TRUTH_STREAM = 0x5A17_C0DE_7E57_0001
+"""XORed into the accept walk's keys: the truth's uniforms are a stream apart from the walk's own."""
 REST_FLOOR = 1e-9
 """Smallest probability mass left to the tokens outside the profile's candidates (keeps the logits finite)."""
 
@@ -59,12 +70,17 @@ class SyntheticDraft:
         return self._q[key]
 
     def log_probs(self, depth: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """([depth, K_p] log q, [depth, 1] log of each other token's share) as float32 on `device`."""
+        """([depth, K_p] log p, [depth, 1] log of each other token's share) as float32 on `device`: what the
+        drafter states (`SyntheticAcceptanceProfile.stated_probs`), over-confident unless the profile's
+        drafter_temperature is 1."""
         key = (depth, device)
         if key not in self._logq:
-            q = self.profile.probs(depth)
-            rest = (1.0 - q.sum(-1, keepdim=True)).clamp_min(REST_FLOOR) / (vocab - q.shape[1])
-            self._logq[key] = (q.clamp_min(1e-30).log().float().to(device), rest.log().float().to(device))
+            stated, rest = self.profile.stated_probs(depth)
+            share = rest.clamp_min(REST_FLOOR) / (vocab - stated.shape[1])
+            self._logq[key] = (
+                stated.clamp_min(1e-30).log().float().to(device),
+                share.log().float().to(device),
+            )
         return self._logq[key]
 
     def __call__(
@@ -91,6 +107,15 @@ def true_tokens(candidates: torch.Tensor, q: torch.Tensor, uniforms: torch.Tenso
     return torch.where(rank < candidates.shape[-1], picked, -1)
 
 
+def truth_uniforms(keys: torch.Tensor, prefix: torch.Tensor, horizon: int) -> torch.Tensor:
+    """[B, h] float64 uniforms of draft positions 1..h: keys [B] int64 walk keys (`kernels.seed_keys`), prefix
+    [B] committed lengths (draft position d is sequence position prefix + d). A function of the seed and the
+    sequence position alone (module docstring)."""
+    positions = prefix[:, None].to(torch.int64) + torch.arange(1, horizon + 1, device=prefix.device)
+    stream = kernels.seed_keys(keys ^ TRUTH_STREAM)
+    return kernels.keyed_uniforms(stream, positions).to(torch.float64)
+
+
 def synthetic_targets(truth: torch.Tensor, depths: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     """[B, W] the target's token after each verify row: truth [B, h] at the row's depth (a row at depth d is
     followed by position d + 1, truth column d); the row's own argmax [B, W] where that is -1 (no candidate)
@@ -102,13 +127,11 @@ def synthetic_targets(truth: torch.Tensor, depths: torch.Tensor, argmax: torch.T
 
 class SyntheticAcceptor(Acceptor):
     """The accept stage with the target's tokens of a tree step drawn as the module docstring says; width-1
-    steps keep the target's own tokens. seed: of the draws (one generator on the device)."""
+    steps keep the target's own tokens."""
 
-    def __init__(self, vocab_size: int, sampling_backend: str, draft: SyntheticDraft, seed: int) -> None:
+    def __init__(self, vocab_size: int, sampling_backend: str, draft: SyntheticDraft) -> None:
         super().__init__(vocab_size, sampling_backend)
         self._draft = draft
-        self._seed = seed
-        self._generator: torch.Generator | None = None
 
     def target_tokens(
         self,
@@ -118,16 +141,13 @@ class SyntheticAcceptor(Acceptor):
         keys: torch.Tensor,
         prefix: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's own tokens (`Acceptor.target_tokens`), then on the true continuation drawn for this
-        step from the profile over the step's draft candidates (module docstring)."""
+        """The target's own tokens (`Acceptor.target_tokens`), then on each request's true continuation over
+        the step's draft candidates, keyed by its seed and the positions (module docstring)."""
         tokens, probs = super().target_tokens(batch, logits, rows, keys, prefix)
         candidates = self._draft.candidates
         if candidates is None:
             raise RuntimeError("synthetic acceptance: a tree step came before any draft")
-        device = tokens.device
-        if self._generator is None:
-            self._generator = torch.Generator(device=device).manual_seed(self._seed)
-        bs, horizon = candidates.shape[:2]
-        uniforms = torch.rand((bs, horizon), generator=self._generator, device=device, dtype=torch.float64)
-        truth = true_tokens(candidates, self._draft.q(horizon, device), uniforms)
+        horizon = candidates.shape[1]
+        uniforms = truth_uniforms(keys, prefix, horizon)
+        truth = true_tokens(candidates, self._draft.q(horizon, tokens.device), uniforms)
         return synthetic_targets(truth, rows.depths, tokens), probs

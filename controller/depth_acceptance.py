@@ -1,0 +1,122 @@
+"""The acceptance map, learnt online per depth from the accepted lengths a server sees anyway.
+
+Terms. The planner scores a node at depth d by its path probability under the acceptance map it starts with
+(the start-up or offline fit, `acceptance.AcceptanceCalibration`, or the drafter's raw probabilities without
+one): the base score ρ_n. A verify pass of a request's first n nodes reaches depth d (accepts at least d
+draft tokens) exactly when one of its nodes at depth d is accepted, and at most one is, so under the base map
+
+    P(reach d) = Σ_{verified nodes n at depth d} ρ_n,
+
+and the realised event is 1[accepted drafts ≥ d]. Over the recent steps (sums forgotten at `decay` per
+observed step) the reach ratio r_d = Σ realised / Σ predicted says how far the base map is off at depth d as
+a whole, and c_d = r_d / r_{d-1} (r_0 = 1) how far its conditional factor at depth d is off: the online map
+multiplies each depth's conditional by c_d, i.e. adds log c_d to the calibrated log-probabilities of depth d
+(`shift_logprobs`, capped at probability 1 as the base map is), which keeps every sorted row sorted, so the
+best-first trees built on the shifted values stay exact for the scores the planner sums.
+
+Priors, so no depth is frozen. Each depth's ratio is a posterior mean with `prior_weight` pseudo-events at
+what its shallower neighbour's correction predicts, r_d = (R_d + k·r_{d-1}·c_{d-1}) / (P_d + k): a depth with
+no events takes the conditional correction of the deepest depth above it that has some (a drafter found
+three times better than mapped at depth 5 is taken to be at depth 6 too, until depth 6 says otherwise), so a
+map fitted where trees were shallow does not keep the deeper depths at its guess, and one with a few events
+moves by what they say. The ratio is measured against the BASE scores (computed beside the shifted ones), so the estimate
+is open loop: what the online map did to the trees does not feed back into it.
+
+What it does not see. Events come only from depths the trees reach; a depth priced too low to be verified
+keeps its start-up map until a probe or a deeper tree verifies it (the gate's probes verify whole trees).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_DECAY = 0.98
+"""Weight the sums keep per observed step (about 50 steps of memory)."""
+DEFAULT_PRIOR_WEIGHT = 1.0
+"""Pseudo-events (in predicted reaches) at the shallower depth's ratio."""
+SHIFT_BOUNDS = (math.log(1e-3), math.log(100.0))
+"""Range of log c_d, the per-depth shift of the calibrated log-probabilities."""
+
+
+class OnlineDepthMap:
+    """Per-depth online correction of an acceptance map (module docstring). depth: D, the drafter's
+    positions."""
+
+    def __init__(
+        self, depth: int, decay: float = DEFAULT_DECAY, prior_weight: float = DEFAULT_PRIOR_WEIGHT
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"the drafter must propose at least one position, got depth {depth}")
+        if not 0 < decay < 1:
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        self.depth = depth
+        self._decay = decay
+        self._prior = prior_weight
+        self._predicted = np.zeros(depth, dtype=np.float64)  # [D] Σ predicted reaches of depth d
+        self._reached = np.zeros(depth, dtype=np.float64)  # [D] Σ realised reaches of depth d
+        self._shifts = np.zeros(depth, dtype=np.float64)
+
+    @property
+    def shifts(self) -> np.ndarray:
+        """[D] float64 log c_d, d = 1..D (0 at a depth without events)."""
+        return self._shifts
+
+    @property
+    def active(self) -> bool:
+        """Whether any depth is shifted (else the planner's scores are the base map's)."""
+        return bool(self._shifts.any())
+
+    def reach_ratios(self) -> np.ndarray:
+        """[D] float64 r_d = realised / predicted reaches of depth d under the base map, with the prior."""
+        ratios = np.empty(self.depth, dtype=np.float64)
+        previous, conditional = 1.0, 1.0
+        for d in range(self.depth):
+            prior = previous * conditional
+            ratio = (self._reached[d] + self._prior * prior) / (self._predicted[d] + self._prior)
+            previous, conditional = ratio, ratio / previous
+            ratios[d] = ratio
+        return ratios
+
+    def observe(self, predicted_reach: np.ndarray, accepted: Sequence[int]) -> None:
+        """One verified step. predicted_reach: [B, D] float64, per request the base map's probability of
+        reaching depth d (`depth_reach`; a request that verified no node has a row of zeros and says
+        nothing); accepted: [B] accepted draft tokens per request."""
+        if predicted_reach.shape != (len(accepted), self.depth):
+            raise ValueError(
+                f"predicted_reach must be [{len(accepted)}, {self.depth}], got {predicted_reach.shape}"
+            )
+        verified = predicted_reach.sum(axis=1) > 0  # [B]
+        depths = np.arange(1, self.depth + 1)
+        reached = (np.asarray(accepted, dtype=np.int64)[:, None] >= depths[None, :]) & verified[:, None]
+        self._predicted = self._decay * self._predicted + predicted_reach.sum(axis=0)
+        self._reached = self._decay * self._reached + reached.sum(axis=0)
+        ratios = self.reach_ratios()
+        conditional = ratios / np.concatenate(([1.0], ratios[:-1]))
+        self._shifts = np.clip(np.log(conditional), *SHIFT_BOUNDS)
+
+
+def shift_logprobs(logprobs: torch.Tensor, shifts: np.ndarray) -> torch.Tensor:
+    """[B, h, K] calibrated log-probabilities with depth d's shift log c_d added, capped at 0 (probability 1):
+    each row stays sorted. shifts: [D] float64 with D >= h (`OnlineDepthMap.shifts`)."""
+    horizon = int(logprobs.shape[-2])
+    shift = torch.from_numpy(shifts[:horizon]).to(dtype=logprobs.dtype, device=logprobs.device)
+    return torch.clamp(logprobs + shift[:, None], max=0.0)
+
+
+def depth_reach(depths: np.ndarray, log_scores: np.ndarray, counts: Sequence[int], depth: int) -> np.ndarray:
+    """[B, D] float64: per request the summed probability ρ of its first counts[i] nodes at each depth
+    d = 1..D, i.e. the probability of reaching depth d under those scores. depths: [B, N] int64 1..D;
+    log_scores: [B, N] float64 log ρ of the same nodes; counts: [B] verified nodes per request (the
+    best-first prefix)."""
+    batch, nodes = depths.shape
+    verified = np.arange(nodes)[None, :] < np.asarray(counts, dtype=np.int64)[:, None]  # [B, N]
+    rows = np.broadcast_to(np.arange(batch)[:, None], (batch, nodes))
+    reach = np.zeros((batch, depth), dtype=np.float64)
+    np.add.at(reach, (rows[verified], depths[verified] - 1), np.exp(log_scores[verified]))
+    return reach

@@ -1,0 +1,157 @@
+"""The acceptance map that learns online per depth (`controller.depth_acceptance`).
+
+The map's arithmetic on literal events; its estimate against a known truth; and the controller that uses it:
+fitted on hard text and then serving easy text its trees grow within a bounded number of steps, and the
+reverse, with every step's accepted length drawn from the truth through the real tree it verified.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bastion_sglang.controller import AdaptivePolicy
+from bastion_sglang.controller.acceptance import (
+    AcceptanceCalibration,
+    best_accept_curve,
+    realised_accept_length,
+)
+from bastion_sglang.controller.depth_acceptance import OnlineDepthMap, depth_reach, shift_logprobs
+from bastion_sglang.controller.horizon import DraftHorizon
+from bastion_sglang.controller.latency import LatencyModel
+from bastion_sglang.controller.profile import StepCosts
+from bastion_sglang.controller.roofline import QWEN3_8B, RooflineModel, lookup_gpu
+from bastion_sglang.controller.step_costs import StepCostTracker
+from bastion_sglang.kernels.types import DraftTopK
+from bastion_sglang.step.step_controller import StepController
+
+DEPTH, BRANCHING = 8, 4
+
+
+def test_a_depth_without_events_takes_the_correction_above_it() -> None:
+    online = OnlineDepthMap(6, prior_weight=1.0)
+    assert online.shifts.tolist() == [0.0] * 6 and not online.active  # no events: the map it started with
+    reach = np.zeros((2, 6))
+    reach[:, 0] = [0.8, 0.8]  # each request verified one depth-1 node of probability 0.8 ...
+    online.observe(reach, [0, 0])  # ... and neither was accepted
+    ratios = online.reach_ratios()
+    assert ratios[0] == pytest.approx((0 + 1.0) / (1.6 + 1.0))  # the prior's one event at r_0 = 1
+    assert np.allclose(online.shifts, math.log(ratios[0]))  # deeper depths: no events, depth 1's factor
+
+
+def test_a_conditional_off_at_one_depth_shifts_that_depth_only() -> None:
+    """Predicted reaches 0.9, 0.81, 0.729 (a chain of conditionals 0.9); realised: depth 1 half as often as
+    predicted, deeper depths as predicted GIVEN depth 1 (so their reach is halved too): c_1 = 0.5, c_2 = c_3
+    = 1."""
+    online = OnlineDepthMap(3, decay=0.999, prior_weight=1e-6)
+    predicted = np.array([[0.9, 0.81, 0.729]] * 1000)
+    generator = np.random.default_rng(0)
+    first = generator.random(1000) < 0.45
+    second = first & (generator.random(1000) < 0.9)
+    third = second & (generator.random(1000) < 0.9)
+    accepted = first.astype(int) + second + third
+    online.observe(predicted, accepted.tolist())
+    c = np.exp(online.shifts)
+    assert c[0] == pytest.approx(0.5, abs=0.04)
+    assert c[1:] == pytest.approx([1.0, 1.0], abs=0.08)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"predicted_reach must be \[2, 3\]"):
+        OnlineDepthMap(3).observe(np.zeros((2, 4)), [0, 0])
+    with pytest.raises(ValueError, match="decay must be in"):
+        OnlineDepthMap(3, decay=1.0)
+
+
+def test_depth_reach_sums_the_verified_prefix_by_depth() -> None:
+    depths = np.array([[1, 2, 1, 3], [1, 1, 2, 2]])
+    scores = np.log(np.array([[0.5, 0.25, 0.2, 0.1], [0.6, 0.3, 0.2, 0.1]]))
+    reach = depth_reach(depths, scores, [3, 0], 3)
+    assert np.allclose(reach, [[0.7, 0.25, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_a_shift_keeps_rows_sorted_and_caps_at_one() -> None:
+    logprobs = torch.log(torch.tensor([[[0.6, 0.3], [0.5, 0.1]]], dtype=torch.float64))
+    shifted = shift_logprobs(logprobs, np.log(np.array([2.0, 0.5, 7.0])))
+    assert torch.allclose(shifted.exp(), torch.tensor([[[1.0, 0.6], [0.25, 0.05]]], dtype=torch.float64))
+
+
+def test_a_shifted_calibration_moves_each_depths_offset() -> None:
+    calibration = AcceptanceCalibration(slopes=[1.0, 2.0], offsets=[0.0, -1.0], events=[5, 0])
+    moved = calibration.shifted(np.array([0.5, 0.0, -0.25]))
+    assert (moved.slopes, moved.offsets, moved.events) == ([1.0, 2.0, 2.0], [0.5, -1.0, -1.25], [5, 0, 0])
+    assert calibration.shifted(np.zeros(3)) is calibration
+    bound = best_accept_curve(moved, 3, 2, 4)
+    assert bound[1] == pytest.approx(2.0)  # depth 1's factor e^0.5 q is capped at 1
+
+
+def _drafter() -> DraftTopK:
+    """One request's draft: at every depth the ranks 0..K-1 (token id = rank) with these probabilities."""
+    row = torch.tensor([0.9, 0.05, 0.03, 0.02], dtype=torch.float32).log()
+    return DraftTopK(row.expand(1, DEPTH, BRANCHING).clone(), torch.arange(BRANCHING).expand(1, DEPTH, -1))
+
+
+def _controller(acceptance: AcceptanceCalibration | None) -> StepController:
+    latency = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    l_ar = latency.predict_plain_batch([512])
+    return StepController(
+        latency=latency,
+        costs=StepCostTracker(),
+        policy=AdaptivePolicy(),
+        budget=48,
+        horizon=DraftHorizon.full(DEPTH),
+        acceptance=acceptance,
+        branching=BRANCHING,
+        device=torch.device("cpu"),
+        # each verified token costs 2 % of a plain step: the best tree is about as deep as the text allows
+        fixed_costs=StepCosts(t_draft=0.05 * l_ar, t_aux=1e-4, l_ar=l_ar, t_aux_per_token=0.02 * l_ar),
+    )
+
+
+def _serve(controller: StepController, top1: float, steps: int, seed: int) -> list[int]:
+    """`steps` decode steps of one request on text where the drafter's rank 0 is the target's token with
+    probability `top1` at every depth (else a token the drafter did not propose): the nodes each verified."""
+    generator = np.random.default_rng(seed)
+    chosen = []
+    for _ in range(steps):
+        step = controller.begin([512], [True], ["request"])
+        if controller.draft_horizon(step, decides=True) == 0:  # the gate skipped the drafter
+            controller.record(step, None)
+            controller.verified([0])
+            chosen.append(0)
+            continue
+        planned = controller.plan(step, _drafter())
+        nodes = planned.plan.node_counts[0]
+        host = planned.trees.on_host()
+        depths = host.depths[0, :nodes]
+        controller.record(step, planned, int(depths.max()) if nodes else 0)
+        continuation = np.where(generator.random(DEPTH) < top1, 0, -1).tolist()
+        tokens, parents = host.tokens[0, :nodes].tolist(), host.parents[0, :nodes].tolist()
+        controller.verified([realised_accept_length(tokens, parents, depths.tolist(), continuation) - 1])
+        chosen.append(nodes)
+    return chosen
+
+
+HARD = AcceptanceCalibration(slopes=[1.0], offsets=[math.log(0.3)], events=[100])
+"""A map fitted where the drafter's rank 0 was right a third as often as it says (0.27 of its 0.9)."""
+
+
+def test_fitted_on_hard_text_then_serving_easy_text_the_trees_grow() -> None:
+    """The drafter is right (rank 0 accepted 90 % of the time, as it states), the start-up map says 27 %:
+    within 30 steps the online map undoes it and the trees are as large as those the raw drafter plans."""
+    oracle = np.mean(_serve(_controller(None), 0.9, 60, seed=1)[-30:])
+    learning = _serve(_controller(HARD), 0.9, 60, seed=2)
+    assert learning[0] <= 0.5 * oracle
+    assert np.mean(learning[-30:]) >= 0.85 * oracle
+
+
+def test_fitted_on_easy_text_then_serving_hard_text_the_trees_shrink() -> None:
+    """The reverse: no map (the drafter says 90 %), the text accepts rank 0 27 % of the time: within 30
+    steps the trees shrink to those the true map plans."""
+    truth = np.mean(_serve(_controller(HARD), 0.27, 60, seed=3)[-30:])
+    learning = _serve(_controller(None), 0.27, 60, seed=4)
+    assert learning[0] >= 2.0 * truth
+    assert np.mean(learning[-30:]) <= 1.3 * truth
