@@ -197,8 +197,15 @@ def worker_step_controller(
     DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`; startup: how
     this server calibrates itself when it has no profile (None: it does not); lattice_drafts: whether the
     drafter is a DFlash2 drafter, whose lattices are planned on the profile's acceptance calibration as
-    top-K drafts are (`planning_acceptance`, `lattice_plan`)."""
+    top-K drafts are (`planning_acceptance`, `lattice_plan`). Under synthetic acceptance no stored map
+    applies: maps are fitted on the real drafter's passes, and the synthetic drafter states other
+    probabilities; it plans on what the drafter states, corrected online (`controller.depth_acceptance`)."""
     resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
+    if config.synthetic_acceptance is not None:
+        logger.info(
+            "BASTION: synthetic acceptance: planning on the synthetic drafter's stated probabilities, "
+            "corrected online; no stored acceptance map applies to them"
+        )
     latency, profile_costs = worker_latency_model(
         config, server_args, target_config, dtype, device, width_buckets, resolved
     )
@@ -219,7 +226,9 @@ def worker_step_controller(
         policy=config.policy,
         budget=config.max_budget,
         horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
-        acceptance=planning_acceptance(resolved, server_args.speculative_draft_model_path, lattice_drafts),
+        acceptance=None
+        if config.synthetic_acceptance is not None
+        else planning_acceptance(resolved, server_args.speculative_draft_model_path, lattice_drafts),
         branching=config.branching,
         device=device,
         metrics=metrics,
