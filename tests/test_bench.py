@@ -32,10 +32,12 @@ from bastion_sglang import cli
 from bastion_sglang.bench import cli as bench_cli
 from bastion_sglang.bench.aggregate import EstimateSummary, make_row, summarize, with_speedups
 from bastion_sglang.bench.histograms import (
+    ESTIMATED_SPEEDUP_METRIC,
     EXPECTED_METRIC,
     EXPECTED_RAW_METRIC,
     LATENCY_ERROR_METRIC,
     REALISED_METRIC,
+    REALISED_SPEEDUP_METRIC,
     STAGE_NAMES,
     TREE_NODES_METRIC,
     WORKER_METRICS,
@@ -718,10 +720,13 @@ def test_estimate_summary_from_histogram_growth() -> None:
             EXPECTED_RAW_METRIC: (30.0, 10.0),
             REALISED_METRIC: (29.0, 15.0),  # 20 over 10
             LATENCY_ERROR_METRIC: (0.5, 5.0),
+            ESTIMATED_SPEEDUP_METRIC: (12.0, 5.0),
+            REALISED_SPEEDUP_METRIC: (9.0, 4.0),
         },
         {"verify": (1.5, 10.0), "draft": (0.1, 5.0), "other": (0.02, 4.0)},
     )
     estimate = EstimateSummary.of(after.minus(before))
+    assert (estimate.estimated_speedup, estimate.realised_speedup) == pytest.approx((2.4, 2.25))
     assert estimate.mean_budget == 4.0 and estimate.expected == pytest.approx(2.2)
     assert estimate.realised == pytest.approx(2.0) and estimate.latency_mape == pytest.approx(0.1)
     assert estimate.stage_ms is not None

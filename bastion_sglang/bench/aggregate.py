@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from bastion_sglang.bench.histograms import (
+    ESTIMATED_SPEEDUP_METRIC,
     EXPECTED_METRIC,
     EXPECTED_RAW_METRIC,
     LATENCY_ERROR_METRIC,
     REALISED_METRIC,
+    REALISED_SPEEDUP_METRIC,
     STAGE_NAMES,
     TREE_NODES_METRIC,
     WorkerTotals,
@@ -35,6 +37,8 @@ class EstimateSummary:
     expected_raw: float | None
     realised: float | None
     latency_mape: float | None
+    estimated_speedup: float | None
+    realised_speedup: float | None
     stage_ms: StageMs | None
 
     @classmethod
@@ -52,6 +56,8 @@ class EstimateSummary:
             expected_raw=growth.metrics[EXPECTED_RAW_METRIC].mean(),
             realised=growth.metrics[REALISED_METRIC].mean(),
             latency_mape=growth.metrics[LATENCY_ERROR_METRIC].mean(),
+            estimated_speedup=growth.metrics[ESTIMATED_SPEEDUP_METRIC].mean(),
+            realised_speedup=growth.metrics[REALISED_SPEEDUP_METRIC].mean(),
             stage_ms=stage_ms,
         )
 
@@ -79,6 +85,8 @@ def _estimate_fields(estimate: EstimateSummary | None) -> dict[str, Any]:
         "accept_error": _relative_error(estimate.expected, estimate.realised),
         "accept_error_raw": _relative_error(estimate.expected_raw, estimate.realised),
         "latency_mape": estimate.latency_mape,
+        "estimated_speedup": estimate.estimated_speedup,
+        "realised_speedup": estimate.realised_speedup,
         "stage_ms": estimate.stage_ms,
     }
 

@@ -18,12 +18,16 @@ EXPECTED_METRIC = "sglang:bastion_expected_accept_length"
 EXPECTED_RAW_METRIC = "sglang:bastion_expected_accept_length_raw"
 REALISED_METRIC = "sglang:bastion_accept_length"
 LATENCY_ERROR_METRIC = "sglang:bastion_verify_relative_error"
+ESTIMATED_SPEEDUP_METRIC = "sglang:bastion_speedup_estimated"
+REALISED_SPEEDUP_METRIC = "sglang:bastion_speedup_realised"
 WORKER_METRICS = (
     TREE_NODES_METRIC,
     EXPECTED_METRIC,
     EXPECTED_RAW_METRIC,
     REALISED_METRIC,
     LATENCY_ERROR_METRIC,
+    ESTIMATED_SPEEDUP_METRIC,
+    REALISED_SPEEDUP_METRIC,
 )
 STAGE_METRIC = "sglang:bastion_step_stage_seconds"
 STAGE_NAMES = ("draft", "plan", "verify", "accept", "commit", "other")

@@ -48,7 +48,8 @@ def _estimate_table(rows: Sequence[BenchRow]) -> list[str]:
     if not estimated:
         return []
     header = (
-        f"{'policy':<12} {'T':>5} {'Â':>6} {'Â raw':>6} {'real':>6} {'err':>7} {'raw err':>8} {'lat MAPE':>9}"
+        f"{'policy':<12} {'T':>5} {'Â':>6} {'Â raw':>6} {'real':>6} {'err':>7} {'raw err':>8} "
+        f"{'lat MAPE':>9} {'Ŝ':>6} {'S real':>6}"
     )
     lines = ["", "controller estimate per request per step", header, "-" * len(header)]
     for row in estimated:
@@ -57,7 +58,8 @@ def _estimate_table(rows: Sequence[BenchRow]) -> list[str]:
             f"{row.policy:<12} {row.temperature:>5g} {_number(row.mean_expected_accept_length, 2):>6} "
             f"{_number(row.mean_expected_accept_length_raw, 2):>6} "
             f"{_number(row.realised_accept_length, 2):>6} {_percent(row.accept_error):>7} "
-            f"{_percent(row.accept_error_raw):>8} {mape:>9}"
+            f"{_percent(row.accept_error_raw):>8} {mape:>9} {_number(row.estimated_speedup, 2):>6} "
+            f"{_number(row.realised_speedup, 2):>6}"
         )
     return lines
 

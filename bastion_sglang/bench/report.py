@@ -34,6 +34,9 @@ collector from each Engine's PROMETHEUS_MULTIPROC_DIR (null for `ar` and `dflash
 - realised_accept_length: tokens committed per request per step, as the worker counted them;
 - accept_error / accept_error_raw: expected / realised - 1 (signed), calibrated and raw;
 - latency_mape: mean |estimated - observed| / observed verify latency per pass, after the worker's warm-up;
+- estimated_speedup / realised_speedup: the planner's Ŝ of the plans it chose (1 for plain steps) and its
+  counterpart measured per step (committed tokens · L_AR / (B · step seconds)); with the Â columns they say
+  which of acceptance and latency the planner got wrong at a fixed budget, and where adaptive stopped;
 - stage_ms: mean milliseconds per decode step of each stage (draft, plan, verify, accept, commit) and of
   `other`, the host time between two decode steps outside the worker.
 
@@ -143,6 +146,14 @@ class BenchRow(BaseModel):
     accept_error: float | None = Field(default=None, description="expected / realised - 1, calibrated")
     accept_error_raw: float | None = Field(default=None, description="expected / realised - 1, raw")
     latency_mape: float | None = Field(default=None, description="mean relative verify-latency error")
+    estimated_speedup: float | None = Field(
+        default=None, description="the planner's Ŝ of its chosen plans, mean per decode step (1: plain)"
+    )
+    realised_speedup: float | None = Field(
+        default=None,
+        description="committed tokens · L_AR / (B · measured step seconds), mean per decode step: Ŝ's "
+        "counterpart with the step's own acceptance and time (L_AR the latency model's)",
+    )
     stage_ms: StageMs | None = Field(default=None, description="mean ms per decode step per stage")
 
 
