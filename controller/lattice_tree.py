@@ -10,7 +10,10 @@ log ρ = lattice_logprobs[0, 0, c_1] + Σ_{j≥2} lattice_logprobs[j-1, c_{j-1},
 token, ρ = 1) is implicit, as in `tree.py`.
 
 Ranks. Each row is sorted once, descending and stable: the *rank* of child c is its position in its parent's
-row, so equal log-probs rank by candidate index, lowest first. A node's rank tuple (r_1, .., r_d) names it.
+row, so equal log-probs rank by the tie values where given (`ties`, descending: the raw transitions behind
+calibrated or mass-weighted ones, so that a tie the calibration's clamp or rounding made goes to the raw
+argmax), then by candidate index, lowest first (`lattice_batched.rank_rows`). A node's rank tuple (r_1, ..,
+r_d) names it.
 
 Order. Nodes are totally ordered by the key of `tree.py`, (-log ρ, depth, rank tuple): higher score first,
 then shallower, then the lexicographically smaller rank tuple. A node's predecessor in the lazy enumeration
@@ -25,7 +28,19 @@ Cost. One stable sort of the D·K rows, O(D·K² log K), then O(n log n) for n n
 
 Branching. `build_lattice_trees` may cap the children of every node at its best m (its row's first m ranks,
 `cap_children`): the best-first tree of the capped lattice, whose first min(budget, Σ_d m^d) nodes have
-finite scores. m = 1 leaves each node its rank-0 child only, which is `lattice_chain`'s walk.
+finite scores. m = 1 leaves each node its rank-0 child only, which is `lattice_chain`'s walk on the tie
+values (the raw transitions) wherever the values keep their order (a calibration's non-decreasing map, a
+weight per slot).
+
+Batches. `build_lattice_trees` builds every request's tree at once by the threshold search of
+`lattice_batched` (the same trees bit for bit); `build_lattice_trees_by_heap` builds them row by row with the
+heap, the reference it is tested against.
+
+Mass outside the candidates. A lattice row is a softmax over the K candidates only, so its path scores sum to
+1 over each slot's candidates although the drafter puts some of its mass elsewhere: Â of raw transitions is
+too high and rises too steeply with the budget. `weight_by_candidate_mass` adds to every row of slot e the
+log of the drafter's mass on slot e's K candidates (logsumexp of the unary log-probs), so a path scores the
+drafter's probability of its tokens with every slot's mass outside the candidates counted as a miss.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import torch
 
 from bastion_sglang.controller.batched import DraftTreeBatch, lattice_size
 from bastion_sglang.controller.fast_tree import host_draft, host_drafts
+from bastion_sglang.controller.lattice_batched import best_first_batch, rank_rows
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
 
 
@@ -143,26 +159,46 @@ def check_lattice_values(values: np.ndarray) -> None:
         )
 
 
-def build_lattice_tree(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
+def build_lattice_tree(
+    lattice_logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, ties: torch.Tensor | None = None
+) -> DraftTree:
     """The `budget` best nodes of the selector lattice, best-first (module docstring: key, exactness).
 
     lattice_logprobs: [D, K, K] log-probs, row [e, p] over slot e's candidates given candidate p of slot e-1
     (row [0, 0] for slot 0); <= 0, no NaN (`selector_logprobs` makes them from SGLang's scores).
     token_ids: [D, K] candidate token ids per slot.
     budget: maximum number of nodes (root excluded); fewer are returned if the lattice is smaller.
+    ties: None or [D, K, K] tie values of the ranks (module docstring, "Ranks"), checked as the lattice.
     Returns a DraftTree on the device of `lattice_logprobs`: int64 tokens, parents and depths, float64
     log_scores formed as parent_score + logprob (depth 1: 0.0 + logprob, the first node its logprob), as
     `build_tree` forms them. ValueError on bad input. Runs on the host.
     """
     values, ids = validate_lattice(lattice_logprobs, token_ids)
     validate_budget(budget)
-    return _lattice_tree(values, ids, budget, lattice_logprobs.device)
+    tie_values = None if ties is None else validate_ties(ties, lattice_logprobs)
+    return _lattice_tree(values, ids, budget, lattice_logprobs.device, tie_values)
 
 
-def _lattice_tree(values: np.ndarray, ids: np.ndarray, budget: int, device: torch.device) -> DraftTree:
-    """`build_lattice_tree` of a checked host lattice: values [D, K, K] float64, ids [D, K] int64."""
-    order = np.argsort(-values, axis=-1, kind="stable")  # [D, K, K]: each row's candidates by rank
-    ranked = -np.sort(-values, axis=-1, kind="stable")  # [D, K, K]: their log-probs, the same order
+def validate_ties(ties: torch.Tensor, lattice_logprobs: torch.Tensor) -> np.ndarray:
+    """Check tie values for the lattice(s) `lattice_logprobs`: the same shape, floating, <= 0, no NaN.
+    Returns their float64 host copy. ValueError naming the problem."""
+    if tuple(ties.shape) != tuple(lattice_logprobs.shape):
+        raise ValueError(
+            f"ties must have the lattice's shape {tuple(lattice_logprobs.shape)}, got {tuple(ties.shape)}"
+        )
+    if not ties.is_floating_point():
+        raise ValueError(f"ties must be a floating tensor, got {ties.dtype}")
+    host = ties.detach().to(torch.float64).cpu().numpy()  # host sync where the ties live on a device
+    check_lattice_values(host)
+    return host
+
+
+def _lattice_tree(
+    values: np.ndarray, ids: np.ndarray, budget: int, device: torch.device, ties: np.ndarray | None = None
+) -> DraftTree:
+    """`build_lattice_tree` of a checked host lattice: values [D, K, K] float64, ids [D, K] int64, ties None
+    or [D, K, K] float64."""
+    order, ranked = rank_rows(values, ties)  # [D, K, K] each: each row's candidates by rank, their log-probs
     nodes = _best_first(ranked.ravel().tolist(), order.ravel().tolist(), values.shape[1], budget)
     return _to_tree(*nodes, ids, device)
 
@@ -254,19 +290,46 @@ def lattice_chain(lattice_logprobs: torch.Tensor, token_ids: torch.Tensor) -> Dr
     return _to_tree(scores, parents, depths, candidates, ids, lattice_logprobs.device)
 
 
-def cap_children(lattice_logprobs: torch.Tensor, branching: int) -> torch.Tensor:
+def cap_children(
+    lattice_logprobs: torch.Tensor, branching: int, ties: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep the `branching` best entries of every row, the others -inf (module docstring, "Branching").
 
-    lattice_logprobs: [..., D, K, K]; a row's ranks are its stable descending sort (the lowest candidate
-    first on a tie), as `build_lattice_tree` ranks them, so with finite log-probs the kept entries keep their
-    ranks. Returns a new tensor (the input itself when branching >= K).
+    lattice_logprobs: [..., D, K, K]; ties: None or the same shape. A row's ranks are its stable descending
+    sort by value, then tie value, then the lowest candidate, as `build_lattice_tree` ranks them, so with
+    finite log-probs the kept entries keep their ranks. Returns a new tensor (the input itself when
+    branching >= K).
     """
     if isinstance(branching, bool) or not isinstance(branching, int) or branching < 1:
         raise ValueError(f"branching must be a positive int, got {branching!r}")
     if branching >= lattice_logprobs.shape[-1]:
         return lattice_logprobs
-    order = torch.sort(lattice_logprobs, dim=-1, descending=True, stable=True).indices
+    if ties is None:
+        order = torch.sort(lattice_logprobs, dim=-1, descending=True, stable=True).indices
+    else:
+        by_tie = torch.sort(ties, dim=-1, descending=True, stable=True).indices
+        by_value = torch.sort(
+            lattice_logprobs.gather(-1, by_tie), dim=-1, descending=True, stable=True
+        ).indices
+        order = by_tie.gather(-1, by_value)
     return lattice_logprobs.scatter(-1, order[..., branching:], float("-inf"))
+
+
+def weight_by_candidate_mass(transitions: torch.Tensor, unary_logprobs: torch.Tensor) -> torch.Tensor:
+    """Lattice transitions weighted by each slot's in-candidate mass (module docstring, "Mass outside the
+    candidates"): transitions[..., e, p, c] + log Σ_c' exp(unary_logprobs[..., e, c']), at most 0.
+
+    transitions: [..., D, K, K] log-probs, each row a distribution over slot e's candidates; unary_logprobs:
+    [..., D, K] the drafter's log-probs of those candidates over the whole vocabulary (`DraftLattice.unary`).
+    Returns [..., D, K, K] in the transitions' dtype, on their device. ValueError on mismatched shapes.
+    """
+    if transitions.dim() < 3 or tuple(transitions.shape[:-1]) != tuple(unary_logprobs.shape):
+        raise ValueError(
+            f"transitions [..., D, K, K] and unary_logprobs [..., D, K] disagree: {tuple(transitions.shape)} "
+            f"and {tuple(unary_logprobs.shape)}"
+        )
+    mass = torch.logsumexp(unary_logprobs.to(transitions.dtype), dim=-1)  # [..., D]: log in-candidate mass
+    return torch.clamp(transitions + mass[..., None, None], max=0.0)
 
 
 def build_lattice_trees(
@@ -275,36 +338,91 @@ def build_lattice_trees(
     budget: int,
     branching: int | None = None,
     raw: torch.Tensor | None = None,
+    ties: torch.Tensor | None = None,
 ) -> DraftTreeBatch:
     """`build_lattice_tree` of every request, stacked: each node has at most `branching` children (None: K).
 
     lattice_logprobs: [B, D, K, K] finite log-probs; token_ids: [B, D, K]. Every row holds
     N = min(budget, Σ_{d=1..D} m^d) nodes, m = min(branching, K), best-first, so the trees stack; with
-    branching 1 each row is `lattice_chain`'s path, cut to the budget. ValueError on bad input. The capped
-    lattice and its candidates reach the host in one copy (`fast_tree.host_drafts`). raw: [B, D, K, K] other
-    transitions of the same candidates (the raw ones of a calibrated lattice), packed in the same copy; each
-    node's path score under them (`lattice_node_log_scores`, on the host) is kept as `raw_log_scores`
-    (None: not scored).
+    branching 1 each row is `lattice_chain`'s path on the tie values (module docstring, "Branching"), cut to
+    the budget. ValueError on bad input. The capped lattice and its candidates reach the host in one copy
+    (`fast_tree.host_drafts`). raw: [B, D, K, K] other transitions of the same candidates (the raw ones of a
+    calibrated lattice), packed in the same copy; each node's path score under them
+    (`lattice_node_log_scores`, on the host) is kept as `raw_log_scores` (None: not scored). ties: None or
+    [B, D, K, K] tie values of the ranks (module docstring, "Ranks"), <= 0, packed in the same copy.
+    Every request's tree is built at once (`lattice_batched.best_first_batch`).
     """
+    return _stacked_trees(lattice_logprobs, token_ids, budget, branching, raw, ties, by_heap=False)
+
+
+def build_lattice_trees_by_heap(
+    lattice_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    budget: int,
+    branching: int | None = None,
+    raw: torch.Tensor | None = None,
+    ties: torch.Tensor | None = None,
+) -> DraftTreeBatch:
+    """`build_lattice_trees` built row by row by the heap of `build_lattice_tree`: the same trees, the
+    reference the batched search is tested and timed against. Same arguments."""
+    return _stacked_trees(lattice_logprobs, token_ids, budget, branching, raw, ties, by_heap=True)
+
+
+def _stacked_trees(
+    lattice_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    budget: int,
+    branching: int | None,
+    raw: torch.Tensor | None,
+    ties: torch.Tensor | None,
+    by_heap: bool,
+) -> DraftTreeBatch:
+    """`build_lattice_trees` (by_heap False) or `build_lattice_trees_by_heap` (True)."""
     validate_lattice_layout(lattice_logprobs, token_ids, batched=True)
     width = int(lattice_logprobs.shape[-1])
     children = width if branching is None else min(branching, width)
-    capped = cap_children(lattice_logprobs, children)
+    if ties is not None and tuple(ties.shape) != tuple(lattice_logprobs.shape):
+        raise ValueError(
+            f"ties must have the lattice's shape {tuple(lattice_logprobs.shape)}, got {tuple(ties.shape)}"
+        )
+    capped = cap_children(lattice_logprobs, children, ties)
     validate_budget(budget)
     nodes = lattice_size(int(lattice_logprobs.shape[1]), children, budget)
-    packed = (capped,) if raw is None else (capped, raw)
-    (values, *raw_host), ids = host_drafts(packed, token_ids)  # [B, D, K, K] float64, [B, D, K] int64
-    host = torch.device("cpu")
-    rows = []
-    for b in range(values.shape[0]):
-        check_lattice_values(values[b])
-        rows.append(_lattice_tree(values[b], ids[b], nodes, host))
-    trees = DraftTreeBatch.stack(rows)
-    if raw_host:
-        transitions, candidates = torch.from_numpy(raw_host[0]), torch.from_numpy(ids)
+    packed = [capped, *(t for t in (raw, ties) if t is not None)]
+    (values, *extra), ids = host_drafts(packed, token_ids)  # [B, D, K, K] float64 each, [B, D, K] int64
+    raw_host = extra[0] if raw is not None else None
+    tie_host = extra[-1] if ties is not None else None
+    check_lattice_values(values)
+    if tie_host is not None:
+        check_lattice_values(tie_host)
+    if by_heap:
+        host = torch.device("cpu")
+        trees = DraftTreeBatch.stack(
+            [
+                _lattice_tree(values[b], ids[b], nodes, host, None if tie_host is None else tie_host[b])
+                for b in range(values.shape[0])
+            ]
+        )
+    else:
+        trees = _batch_trees(values, tie_host, ids, nodes)
+    if raw_host is not None:
+        transitions, candidates = torch.from_numpy(raw_host), torch.from_numpy(ids)
         scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, candidates)
         trees = replace(trees, raw_log_scores=scores)
     return trees.to_device(lattice_logprobs.device)
+
+
+def _batch_trees(values: np.ndarray, ties: np.ndarray | None, ids: np.ndarray, nodes: int) -> DraftTreeBatch:
+    """The host DraftTreeBatch of `lattice_batched.best_first_batch` on checked host lattices: values [B, D,
+    K, K] float64, ties None or the same, ids [B, D, K] int64, n nodes per row."""
+    found = best_first_batch(values, ties, nodes)
+    rows = np.arange(values.shape[0])[:, None]
+    tokens = ids[rows, np.maximum(found.depths - 1, 0), found.candidates]  # [B, n]
+    fields = (tokens, found.parents, found.depths)
+    return DraftTreeBatch(
+        *(torch.from_numpy(np.ascontiguousarray(field, dtype=np.int64)) for field in fields),
+        log_scores=torch.from_numpy(np.ascontiguousarray(found.scores, dtype=np.float64)),
+    )
 
 
 def lattice_node_log_scores(

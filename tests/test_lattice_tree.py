@@ -1,5 +1,7 @@
 """build_lattice_tree against brute force and an explicit sort of every node, build_tree on independent
-positions, DFlash2's greedy walk, and selector_logprobs against SGLang's sample_path softmax."""
+positions, DFlash2's greedy walk, and selector_logprobs against SGLang's sample_path softmax; the batched
+search of build_lattice_trees against the heap; ties broken by raw transitions; the in-candidate mass
+weighting against a brute force that counts the drafter's mass outside the candidates."""
 
 from __future__ import annotations
 
@@ -8,8 +10,19 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bastion_sglang.controller.lattice_tree import build_lattice_tree, lattice_chain, selector_logprobs
+from bastion_sglang.controller.batched import DraftTreeBatch
+from bastion_sglang.controller.lattice_tree import (
+    build_lattice_tree,
+    build_lattice_trees,
+    build_lattice_trees_by_heap,
+    cap_children,
+    lattice_chain,
+    selector_logprobs,
+    weight_by_candidate_mass,
+)
 from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, expected_accept_length
 
 KINDS = ["smooth", "ties", "inf"]
@@ -373,3 +386,169 @@ def test_bad_input_is_refused_by_name(
     if not message.startswith("budget"):
         with pytest.raises(ValueError, match=message):
             lattice_chain(lattice, token_ids)
+
+
+def assert_same_trees(got: DraftTreeBatch, want: DraftTreeBatch, label: object) -> None:
+    """Equal node sets, order, tokens and float64 scores bit for bit (signed zeros and -inf included)."""
+    for field in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), (label, field)
+    assert got.log_scores.dtype == want.log_scores.dtype == torch.float64
+    assert torch.equal(got.log_scores.view(torch.int64), want.log_scores.view(torch.int64)), label
+
+
+def random_batch(
+    generator: torch.Generator, batch: int, depth: int, width: int, kinds: list[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, D, K, K] lattices, row b of kind kinds[b % len(kinds)] (`random_lattice`, or "zeros": log-probs
+    of 0 beside -1, so children tie with their parents), and [B, D, K] distinct ids."""
+    rows = []
+    for b in range(batch):
+        kind = kinds[b % len(kinds)]
+        if kind == "zeros":
+            pick = torch.randint(0, 2, (depth, width, width), generator=generator).double()
+            rows.append(-pick)
+        else:
+            rows.append(random_lattice(generator, depth, width, kind).double())
+    return torch.stack(rows), torch.stack([distinct_tokens(generator, depth, width) for _ in range(batch)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 4),
+    depth=st.integers(1, 5),
+    width=st.integers(1, 4),
+    budget=st.integers(0, 400),
+    branching=st.one_of(st.none(), st.integers(1, 4)),
+    kinds=st.lists(st.sampled_from(["smooth", "ties", "inf", "zeros"]), min_size=1, max_size=4),
+    with_ties=st.booleans(),
+)
+def test_batched_trees_are_the_heaps(
+    seed: int,
+    batch: int,
+    depth: int,
+    width: int,
+    budget: int,
+    branching: int | None,
+    kinds: list[str],
+    with_ties: bool,
+) -> None:
+    """Any batch, depth, width, budget (beyond the lattice's size too), branching and tie values: the batched
+    search returns the heap's trees."""
+    generator = torch.Generator().manual_seed(seed)
+    lattices, ids = random_batch(generator, batch, depth, width, kinds)
+    ties = random_batch(generator, batch, depth, width, ["ties"])[0] if with_ties else None
+    got = build_lattice_trees(lattices, ids, budget, branching, ties=ties)
+    want = build_lattice_trees_by_heap(lattices, ids, budget, branching, ties=ties)
+    assert_same_trees(got, want, (seed, batch, depth, width, budget, branching, kinds))
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0, 6.0, 12.0])
+@pytest.mark.parametrize("budget", [1, 32, 64, 256, 1024])
+def test_batched_trees_are_the_heaps_at_serving_sizes(scale: float, budget: int) -> None:
+    """B = 8, D = 16, K = 8: flat and peaked lattices (selector log-probs of scores scaled by `scale`), where
+    the search needs one, two or three passes."""
+    generator = torch.Generator().manual_seed(int(scale * 10) + budget)
+    lattices = selector_logprobs(scale * torch.randn(8, 16, 8, 8, generator=generator))
+    lattices[:, 0] = lattices[:, 0, :1].clone()
+    ids = torch.stack([distinct_tokens(generator, 16, 8) for _ in range(8)])
+    assert_same_trees(
+        build_lattice_trees(lattices, ids, budget), build_lattice_trees_by_heap(lattices, ids, budget), scale
+    )
+
+
+def test_batched_trees_of_hand_built_lattices() -> None:
+    """Equal log-probs everywhere (every node of a depth ties), K = 1 (one path), depth 1, a budget larger
+    than the lattice, and a signed zero at rank 0."""
+    cases = [
+        (torch.full((2, 3, 2, 2), -1.0), 14),
+        (torch.full((2, 3, 2, 2), -1.0), 5),
+        (torch.full((3, 6, 1, 1), -0.5), 4),
+        (torch.full((3, 6, 1, 1), -0.5), 50),
+        (torch.log_softmax(torch.tensor([[[[1.0, 2.0, 2.0]] * 3]]), -1).double(), 2),
+        (torch.tensor([[[[-0.0, 0.0], [-0.0, 0.0]], [[-0.0, -1.0], [0.0, -0.0]]]]).double(), 6),
+    ]
+    for lattice, budget in cases:
+        ids = torch.arange(lattice.shape[1] * lattice.shape[2]).view(1, *lattice.shape[1:3])
+        ids = ids.expand(lattice.shape[0], -1, -1).contiguous()
+        got = build_lattice_trees(lattice, ids, budget)
+        assert_same_trees(got, build_lattice_trees_by_heap(lattice, ids, budget), (lattice.shape, budget))
+        for b in range(lattice.shape[0]):
+            tree = build_lattice_tree(lattice[b], ids[b], budget)
+            assert torch.equal(got.row(b).tokens, tree.tokens) and torch.equal(
+                got.row(b).parents, tree.parents
+            )
+
+
+def test_equal_rows_take_the_raw_argmax_first() -> None:
+    """Ties: a row whose values tie (a calibration clamped them to 0) ranks its candidates by the tie values
+    (the raw transitions), not by candidate index; without ties, the lower index."""
+    values = torch.tensor([[[0.0, 0.0, -1.0]] * 3]).double()  # [D = 1, K = 3, K]
+    raw = torch.tensor([[[-0.9, -0.6, -2.0]] * 3]).double()
+    ids = torch.tensor([[7, 8, 9]])
+    assert build_lattice_tree(values, ids, 3).tokens.tolist() == [7, 8, 9]
+    assert build_lattice_tree(values, ids, 3, ties=raw).tokens.tolist() == [8, 7, 9]
+    assert cap_children(values, 1, raw).tolist() == [[[-math.inf, 0.0, -math.inf]] * 3]
+    with pytest.raises(ValueError, match="ties must have the lattice's shape"):
+        build_lattice_tree(values, ids, 3, ties=raw[:, :2])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_branching_one_on_clamped_or_weighted_values_is_the_raw_chain(seed: int) -> None:
+    """A calibration that clamps many transitions to 0 (ties), or a weight per slot (rounding ties): with the
+    raw transitions as tie values, branching 1 is still `lattice_chain` of the raw transitions; without them,
+    the clamped ties go to the lowest candidate, another path."""
+    generator = torch.Generator().manual_seed(seed)
+    raw = selector_logprobs(2.0 * torch.randn(3, 6, 5, 5, generator=generator))
+    raw[:, 0] = raw[:, 0, :1].clone()
+    ids = torch.stack([distinct_tokens(generator, 6, 5) for _ in range(3)])
+    clamped = torch.clamp(raw * 1.2 + 2.5, max=0.0)  # a non-decreasing map: every row's best few tie at 0
+    unary = torch.log_softmax(torch.randn(3, 6, 40, generator=generator), -1)[..., :5]
+    weighted = weight_by_candidate_mass(raw, unary)
+    for values in (clamped, weighted):
+        trees = build_lattice_trees(values, ids, 64, branching=1, ties=raw)
+        for b in range(3):
+            assert trees.row(b).tokens.tolist() == lattice_chain(raw[b], ids[b]).tokens.tolist()
+    plain = build_lattice_trees(clamped, ids, 64, branching=1)
+    chains = [lattice_chain(raw[b], ids[b]).tokens.tolist() for b in range(3)]
+    assert any(plain.row(b).tokens.tolist() != chains[b] for b in range(3))
+
+
+def mass_aware_best(transitions: torch.Tensor, unary: torch.Tensor, sizes: range) -> list[float]:
+    """Per size n, the largest Σ over a prefix-closed n-node tree of each node's probability that the
+    drafter's sample follows its path: Π_j m_j · q(c_j | c_{j-1}), m_j the drafter's mass on slot j's
+    candidates (brute force)."""
+    rows = transitions.double().tolist()
+    masses = unary.double().exp().sum(-1).tolist()
+    depth, width = len(rows), len(rows[0])
+
+    def probability(path: Path) -> float:
+        return math.prod(
+            masses[j] * math.exp(rows[j][0 if j == 0 else path[j - 1]][c]) for j, c in enumerate(path)
+        )
+
+    return [
+        max(sum(probability(p) for p in tree) for tree in prefix_closed_trees(depth, width, n)) for n in sizes
+    ]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weighted_expected_length_is_the_mass_aware_best(seed: int) -> None:
+    """D = 3, K = 3, candidates holding 40-90 % of the drafter's mass per slot: Â of the trees on the weighted
+    transitions equals the best Â of every tree when the mass outside the candidates counts as a miss; Â of
+    the raw transitions exceeds it (it counts every slot's candidates as certain to hold the sample)."""
+    generator = torch.Generator().manual_seed(seed)
+    transitions = random_lattice(generator, 3, 3, "smooth")
+    shares = 0.4 + 0.5 * torch.rand(3, generator=generator)  # in-candidate mass per slot
+    unary = torch.log(torch.softmax(torch.randn(3, 3, generator=generator), -1) * shares[:, None])
+    token_ids = distinct_tokens(generator, 3, 3)
+    weighted = weight_by_candidate_mass(transitions, unary)
+    for size, best in zip(SIZES, mass_aware_best(transitions, unary, SIZES), strict=True):
+        tree = build_lattice_tree(weighted, token_ids, size)
+        assert expected_accept_length(tree) - 1.0 == pytest.approx(best, rel=1e-5)
+        assert expected_accept_length(build_lattice_tree(transitions, token_ids, size)) - 1.0 > best * 1.05
+
+
+def test_weighting_checks_shapes() -> None:
+    with pytest.raises(ValueError, match="disagree"):
+        weight_by_candidate_mass(torch.zeros(2, 3, 3), torch.zeros(2, 4))
