@@ -1,5 +1,6 @@
 """Planning DFlash2 lattices: `cap_children` and `build_lattice_trees` (the stacked, branching-capped trees),
-and `lattice_plan.plan_draft`, which plans a lattice exactly as `StepController.plan` plans a top-K draft."""
+and `lattice_plan.plan_draft`, which plans a lattice exactly as `StepController.plan` plans a top-K draft, on
+transitions weighted by each slot's in-candidate mass."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.lattice_tree import (
     build_lattice_tree,
     build_lattice_trees,
+    build_lattice_trees_by_heap,
     cap_children,
     lattice_chain,
     selector_logprobs,
+    weight_by_candidate_mass,
 )
 from bastion_sglang.controller.policies import AdaptivePolicy, BudgetPolicy, ChainPolicy, FixedPolicy
 from bastion_sglang.controller.profile import StepCosts
@@ -29,13 +32,15 @@ from bastion_sglang.step.step_controller import StepController
 
 
 def random_lattices(seed: int, batch: int = 2, depth: int = 5, width: int = 4) -> DraftLattice:
-    """B random lattices (row [b, 0, p] one row per slot 0, as SGLang's) with distinct ids per slot."""
+    """B random lattices (row [b, 0, p] one row per slot 0, as SGLang's) with distinct ids per slot, their
+    unary log-probs over 40 tokens (the candidates hold part of the mass)."""
     generator = torch.Generator().manual_seed(seed)
     transitions = selector_logprobs(3.0 * torch.randn(batch, depth, width, width, generator=generator))
     transitions[:, 0] = transitions[:, 0, :1].clone()
     ids = torch.argsort(torch.rand(batch, depth, 40, generator=generator), -1)[..., :width]
-    unary = torch.sort(torch.log_softmax(torch.randn(batch, depth, width, generator=generator), -1), -1, True)
-    return DraftLattice(DraftTopK(unary.values, ids), transitions)
+    vocabulary = torch.log_softmax(2.0 * torch.randn(batch, depth, 40, generator=generator), -1)
+    unary = torch.sort(vocabulary, -1, True).values[..., :width]
+    return DraftLattice(DraftTopK(unary, ids), transitions)
 
 
 def test_cap_children_keeps_each_rows_best_in_rank_order() -> None:
@@ -116,16 +121,21 @@ def controller(
 
 @pytest.mark.parametrize("policy", [AdaptivePolicy(), FixedPolicy(7)])
 def test_a_lattice_of_independent_positions_plans_as_its_top_k(policy: BudgetPolicy) -> None:
-    """Where every row of a slot is the same sorted row, the lattice trees are `build_trees`' and the plan,
-    the gate's record and the evidence are those `StepController.plan` makes of the top-K."""
+    """Where every row of a slot is the same sorted row (the unary top-K renormalised over the candidates),
+    the lattice trees are `build_trees`' on the mass-weighted rows (the unary log-probs again, up to
+    rounding) and the plan, the gate's record and the evidence are those `StepController.plan` makes of that
+    top-K."""
     top = random_lattices(5).unary
-    lattice = DraftLattice(top, top.logprobs[:, :, None, :].expand(-1, -1, 4, -1).contiguous())
+    rows = torch.log_softmax(top.logprobs, -1)[:, :, None, :].expand(-1, -1, 4, -1).contiguous()
+    lattice = DraftLattice(top, rows)
+    weighted = DraftTopK(weight_by_candidate_mass(rows, top.logprobs)[:, :, 0, :], top.token_ids)
+    torch.testing.assert_close(weighted.logprobs, top.logprobs)
     by_lattice, by_top = controller(policy, 20), controller(policy, 20)
     contexts, greedy, requests = [100, 300], [True, False], ["a", "b"]
     planned = plan_draft(by_lattice, by_lattice.begin(contexts, greedy, requests), lattice, branching=4)
-    expected = by_top.plan(by_top.begin(contexts, greedy, requests), top)
+    expected = by_top.plan(by_top.begin(contexts, greedy, requests), weighted)
     assert planned.plan == expected.plan and planned.scales == expected.scales and planned.top is top
-    trees = build_trees(top.logprobs, top.token_ids, 20)
+    trees = build_trees(weighted.logprobs, top.token_ids, 20)
     assert torch.equal(planned.trees.tokens, trees.tokens) and torch.equal(
         planned.trees.parents, trees.parents
     )
@@ -146,13 +156,18 @@ def test_the_chain_policy_plans_the_greedy_walk() -> None:
 @pytest.mark.parametrize("policy", [AdaptivePolicy(), FixedPolicy(7)])
 def test_a_calibrated_controller_plans_the_calibrated_transitions(policy: BudgetPolicy) -> None:
     """With a calibration the plan is the uncalibrated plan of the transitions mapped by hand (per depth,
-    every parent row alike), and the raw Â metric sums the raw transitions along each node's path."""
+    every parent row alike), and the raw Â metric sums the raw transitions, weighted by each slot's
+    in-candidate mass, along each node's path."""
     calibration = AcceptanceCalibration(slopes=[1.6, 1.2], offsets=[-0.3, -0.8], events=[50, 20])
     lattice = random_lattices(7)
     slopes, offsets = calibration.depth_parameters(5)
     a = torch.tensor(slopes).view(1, 5, 1, 1)
     b = torch.tensor(offsets).view(1, 5, 1, 1)
-    mapped = DraftLattice(lattice.unary, torch.clamp(lattice.transitions * a + b, max=0.0))
+    # unary mass 1 exactly on one candidate per slot: the uncalibrated controller weights by log 1 = 0
+    certain = torch.full_like(lattice.unary.logprobs, -math.inf)
+    certain[..., 0] = 0.0
+    mapped_rows = torch.clamp(lattice.transitions * a + b, max=0.0)
+    mapped = DraftLattice(DraftTopK(certain, lattice.unary.token_ids), mapped_rows)
     calibrated, by_hand = controller(policy, 20, calibration), controller(policy, 20)
     contexts, greedy, requests = [100, 300], [True, False], ["a", "b"]
     planned = plan_draft(calibrated, calibrated.begin(contexts, greedy, requests), lattice, branching=3)
@@ -167,6 +182,7 @@ def test_a_calibrated_controller_plans_the_calibrated_transitions(policy: Budget
     assert min(counts) > 1
     raw = calibrated._raw_expected_accept(planned, counts)
     trees = planned.trees
+    log_mass = torch.logsumexp(lattice.unary.logprobs.double(), -1)  # [B, D]
     for row in range(2):
         slots = lattice.unary.token_ids[row].tolist()
         total = 0.0
@@ -178,9 +194,38 @@ def test_a_calibrated_controller_plans_the_calibrated_transitions(policy: Budget
             log_q, parent = 0.0, 0
             for depth, at in enumerate(reversed(path)):
                 candidate = slots[depth].index(int(trees.tokens[row, at]))
-                log_q += float(lattice.transitions[row, depth, parent, candidate])
+                log_q += float(lattice.transitions[row, depth, parent, candidate]) + float(
+                    log_mass[row, depth]
+                )
                 parent = candidate
             total += math.exp(log_q)
-        assert raw[row] == pytest.approx(1.0 + total, rel=1e-9)
+        assert raw[row] == pytest.approx(1.0 + total, rel=1e-6)
     # not the trees' own (calibrated) scores
     assert by_hand._raw_expected_accept(expected, counts)[0] < raw[0]
+
+
+def test_an_uncalibrated_plan_builds_on_mass_weighted_transitions() -> None:
+    """No calibration: the trees are the heap's on the transitions weighted by in-candidate mass, ties going
+    to the raw transitions, so every node scores less than it would on the raw softmax over K."""
+    lattice = random_lattices(8)
+    planner = controller(FixedPolicy(7), 20)
+    planned = plan_draft(planner, planner.begin([50, 60], [True, True], ["a", "b"]), lattice, branching=3)
+    weighted = weight_by_candidate_mass(lattice.transitions, lattice.unary.logprobs)
+    heap = build_lattice_trees_by_heap(weighted, lattice.unary.token_ids, 20, 3, ties=lattice.transitions)
+    for field in ("tokens", "parents", "depths", "log_scores"):
+        assert torch.equal(getattr(planned.trees, field), getattr(heap, field)), field
+    unweighted = build_lattice_trees(lattice.transitions, lattice.unary.token_ids, 20, 3)
+    assert bool((planned.trees.log_scores.exp().sum(1) < unweighted.log_scores.exp().sum(1)).all())
+
+
+def test_the_chain_policy_under_a_clamping_calibration_plans_the_raw_greedy_walk() -> None:
+    """A calibration whose offsets clamp most transitions to 0 makes every row's best entries tie: the chain
+    still follows the raw transitions' argmax (ties broken by raw score)."""
+    calibration = AcceptanceCalibration(slopes=[1.0], offsets=[3.0], events=[50])
+    lattice = random_lattices(9)
+    chain = controller(ChainPolicy(), 5, calibration)
+    planned = plan_draft(chain, chain.begin([10, 10], [True, True], ["a", "b"]), lattice, branching=1)
+    assert bool((calibration.apply(lattice.transitions) == 0.0).any(-1).all())
+    for b in range(2):
+        walk = lattice_chain(lattice.transitions[b], lattice.unary.token_ids[b])
+        assert torch.equal(planned.trees.row(b).tokens, walk.tokens)
