@@ -91,7 +91,7 @@ def timing(samples: list[float]) -> Timing:
 
 
 def measure(calls: list[Callable[[], object]], repeats: int) -> list[tuple[list[float], list[float]]]:
-    """(process CPU seconds, wall seconds) per call of each of `calls`, timed in turns for `repeats` rounds."""
+    """(process CPU seconds, wall seconds) per call of each of `calls`, timed in turns, `repeats` rounds."""
     for call in calls:
         for _ in range(WARMUP_CALLS):
             call()
@@ -148,9 +148,9 @@ def commit() -> str | None:
 
 def print_report(result: Report) -> None:
     print(
-        f"{result.processor}, {result.cpu_count} CPUs, load {result.load_average}, torch {result.torch_version} "
-        f"({result.torch_threads} threads), commit {result.commit}; B = {result.batch}, D = {result.depths}, "
-        f"K = {result.width}, {result.repeats} rounds"
+        f"{result.processor}, {result.cpu_count} CPUs, load {result.load_average}, "
+        f"torch {result.torch_version} ({result.torch_threads} threads), commit {result.commit}; "
+        f"B = {result.batch}, D = {result.depths}, K = {result.width}, {result.repeats} rounds"
     )
     heading = (
         "scale",
