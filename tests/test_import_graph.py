@@ -171,6 +171,7 @@ FLOORS: tuple[Floor, ...] = (
                     "plot",
                     "profile_cli",
                     "acceptance_fit",
+                    "rank_histogram",
                 )
             ),
             f"{_P}.assets.prompt_sets",

@@ -64,7 +64,10 @@ class TokenDataManifest(BaseModel):
     settings: TokenGenSettings
     prompt_sets: tuple[str, ...] = Field(min_length=1)
     split: Literal["train"] = Field(default="train", description="held-out prompts are never generated")
-    chunk_size: int = Field(gt=0, description="prompts per chunk")
+    chunk_size: int = Field(
+        gt=0,
+        description="prompts per chunk in the latest run; a resumed run may change it",
+    )
     planned_keys: tuple[str, ...] = Field(description="prompt keys in generation order")
     skipped_keys: tuple[str, ...] = Field(default=(), description="prompts over max_prompt_tokens")
     chunks: list[TokenChunk] = Field(default_factory=list)

@@ -4,7 +4,7 @@ The target answers the training split of each prompt set greedily through an in-
 (no speculation), one `generate` call per chunk of `chunk_size` prompts, so the scheduler batches up to
 `max_running_requests` of them per forward. Each finished chunk is written and the manifest rewritten
 before the next starts; a rerun with the same settings resumes at the next unfinished chunk (ValueError
-naming the differing field otherwise). The held-out split is never generated.
+naming the differing field otherwise; the chunk size may change). The held-out split is never generated.
 
     python -m bastion_sglang.training.token_gen --target $(bastion demo setup --print-path) \
         --out data/demo-regenerated
@@ -80,7 +80,7 @@ def plan_manifest(
 
 def check_resumable(out: Path, stored: TokenDataManifest, planned: TokenDataManifest) -> None:
     """Raise ValueError naming the first field of `planned` that differs from the stored manifest's."""
-    for field in ("target", "settings", "prompt_sets", "split", "chunk_size", "planned_keys", "skipped_keys"):
+    for field in ("target", "settings", "prompt_sets", "split", "planned_keys", "skipped_keys"):
         if getattr(stored, field) != getattr(planned, field):
             raise ValueError(
                 f"{out}/manifest.json: {field} differs from this run's ({getattr(stored, field)!r:.200} "
@@ -139,6 +139,7 @@ def generate(
         write_token_manifest(out, manifest)
     else:
         check_resumable(out, manifest, planned)
+        manifest.chunk_size = chunk_size
     todo = manifest.todo_keys
     batches = [todo[i : i + chunk_size] for i in range(0, len(todo), chunk_size)][:max_chunks]
     logger.info("%s: %d prompts to generate in %d chunks", out, len(todo), len(batches))
