@@ -74,15 +74,33 @@ def measure_acceptance(
     settings: AcceptanceSettings,
 ) -> AcceptanceResult:
     """Decode the prompts, fit the calibration on two thirds of them, score it on the rest (module doc)."""
+    prompts = prompt_token_ids(target_path, settings)
+    per_prompt = decode_passes(
+        target_path, draft_path, prompts, device=device, dtype=dtype, settings=settings
+    )
+    return fit_held_out(per_prompt, model_config_hash(draft_path), settings.report_budgets)
+
+
+def decode_passes(
+    target_path: str | Path,
+    draft_path: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    settings: AcceptanceSettings,
+) -> list[list[DrafterPass]]:
+    """Each prompt's drafter passes (`records_of_generation`), in prompt order: the prompts (token ids)
+    decoded greedily, `settings.max_new_tokens` tokens each, with a fixed tree of `settings.decode_budget`
+    nodes, each pass cut to `settings.topk` candidates per position."""
     from bastion_sglang.reference import ReferenceEngine
 
-    prompts = prompt_token_ids(target_path, settings)
     engine = ReferenceEngine(
         target_path, draft_path, device=device, dtype=dtype, hardware=PLANNING_HARDWARE, max_nodes=1024
     )
     policy = FixedPolicy(settings.decode_budget)
     per_prompt = []
     for ids in tqdm(prompts, desc="acceptance", unit="prompt", dynamic_ncols=True):
-        result = engine.generate(ids, settings.max_new_tokens, policy=policy)
+        result = engine.generate(list(ids), settings.max_new_tokens, policy=policy)
         per_prompt.append(records_of_generation(ids, result.tokens, result.steps, settings.topk))
-    return fit_held_out(per_prompt, model_config_hash(draft_path), settings.report_budgets)
+    return per_prompt
