@@ -11,7 +11,7 @@ depth's nodes of all rows side by side, grouped by row), the nodes scoring at le
 1. Children only. The nodes scoring at least f are prefix-closed (a child never scores above its parent:
    log-probs are <= 0), so only children of kept depth-(d-1) nodes are scored at depth d, and no depth
    beyond N is reached.
-2. Threshold (the last passes). Once N nodes of depths < d are kept in a row, let τ be the N-th largest of
+2. Threshold. Once N nodes of depths < d are kept in a row, let τ be the N-th largest of
    their scores. A depth-d node scoring <= τ comes after those N nodes (each scores higher, or the same and
    is shallower), so it is not in T: the floor rises above τ. τ is recomputed after a depth that keeps many
    nodes (POOL_REFRESH).
@@ -25,11 +25,12 @@ least f. So a row that keeps at least N nodes holds T, whatever f was.
 Passes. The seeds (`seed_scores`) are every node of depths 1 and 2, then, along the greedy chain (the first
 largest log-prob of every row), every child of a chain node of depth >= 2 and the first two greedy steps
 below each child that leaves the chain: distinct nodes of many depths, scored as the heap scores them. Any
-N distinct nodes bound t from below, so the N-th largest seed is a safe floor. The first pass searches at
-the (N / DIVE_SHARE)-th largest seed, above t as a rule: cheap, and it counts C(f), the nodes scoring at
-least f, for every f above its floor. The rows that keep fewer than N nodes search again at a floor
-extrapolated from that count (log C linear in f) to keep about GROWTH·N nodes, then, where that too keeps
-fewer than N, at the safe floor, which always holds T. Each pass searches only the rows still open.
+N distinct nodes bound t from below, so the N-th largest seed is a safe floor, at which budgets of up to
+SAFE_FIRST_NODES search in one pass. Larger ones first search at the (N / DIVE_SHARE)-th largest seed, above
+t as a rule: cheap, and it counts C(f), the nodes scoring at least f, for every f above its floor. The rows
+that keep fewer than N nodes search again at a floor extrapolated from that count (log C linear in f) to keep
+about GROWTH·N nodes, then, where that too keeps fewer than N, at the safe floor, which always holds T. Each
+pass searches only the rows still open.
 
 Order. The kept nodes of each row are sorted by score, descending. Where the first N + 1 of a row hold no two
 equal scores, that sort is the key order and its first N entries are T. Every run of equal scores that
@@ -52,7 +53,9 @@ import numpy as np
 ROOT = -1
 """The parent index of a depth-1 node (`tree.ROOT`)."""
 DIVE_SHARE = 8
-"""Passes: the first pass keeps the nodes scoring at least the (N / DIVE_SHARE)-th largest seed."""
+"""Passes: above SAFE_FIRST_NODES, the first pass searches at the (N / DIVE_SHARE)-th largest seed."""
+SAFE_FIRST_NODES = 64
+"""Passes: up to this many nodes, the one pass searches at the safe floor (fewer numpy calls than two)."""
 GROWTH = (2.5,)
 """Passes: the node counts, as multiples of N, that the passes after the first aim at."""
 POOL_REFRESH = 8
@@ -124,7 +127,9 @@ def best_first_batch(values: np.ndarray, ties: np.ndarray | None, nodes: int) ->
         return LatticeNodes(np.zeros((batch, 0), dtype=np.float64), empty, empty, empty)
     seeds = seed_scores(values)
     safe = _finite_or(_nth_largest(seeds, nodes), -np.inf)
-    floor = np.maximum(safe, _finite_or(_nth_largest(seeds, max(1, nodes // DIVE_SHARE)), -np.inf))
+    floor = safe
+    if nodes > SAFE_FIRST_NODES:
+        floor = np.maximum(safe, _finite_or(_nth_largest(seeds, max(1, nodes // DIVE_SHARE)), -np.inf))
     out = LatticeNodes(
         scores=np.zeros((batch, nodes)),
         parents=np.zeros((batch, nodes), dtype=np.int64),
@@ -135,7 +140,7 @@ def best_first_batch(values: np.ndarray, ties: np.ndarray | None, nodes: int) ->
     for attempt in range(len(GROWTH) + 2):
         part = values[open_rows]
         part_ties = None if ties is None else ties[open_rows]
-        levels = _search(part, part_ties, floor, nodes, refresh=attempt > 0)
+        levels = _search(part, part_ties, floor, nodes)
         counts = np.bincount(np.concatenate([level.rows for level in levels]), minlength=open_rows.shape[0])
         held = counts >= nodes  # these rows hold T (module docstring, "Search")
         if held.any():
@@ -177,11 +182,9 @@ def _extrapolate(levels: list[_Level], nodes: int, floor: np.ndarray, growth: fl
     return np.where(usable, floor - steps * span, -np.inf)
 
 
-def _search(
-    values: np.ndarray, ties: np.ndarray | None, floor: np.ndarray, nodes: int, refresh: bool
-) -> list[_Level]:
+def _search(values: np.ndarray, ties: np.ndarray | None, floor: np.ndarray, nodes: int) -> list[_Level]:
     """The kept nodes of every depth (module docstring, "Search"): the nodes scoring at least `floor` ([B])
-    less those that points 2 (where `refresh`) and 3 prune."""
+    less those that points 2 and 3 prune."""
     batch, depth_count = values.shape[:2]
     flat = values.reshape(-1)
     levels = [_first_level(values, ties, floor)]
@@ -192,7 +195,7 @@ def _search(
             break
         level = _cap(level, batch, nodes - depth + 1)
         levels.append(level)
-        if refresh and depth < depth_count and level.scores.shape[0] * POOL_REFRESH >= batch * nodes:
+        if depth < depth_count and level.scores.shape[0] * POOL_REFRESH >= batch * nodes:
             pool, floor = _raise_floor(pool, levels[pooled:], batch, nodes, floor)
             pooled = len(levels)
     return levels
