@@ -98,16 +98,35 @@ class RankHistogram(BaseModel):
         return [sum(row) for row in self.counts]
 
     def conditional_rows(self) -> np.ndarray:
-        """[D, K_p + 1] float64 distributions per position over the ranks and none, each row summing to 1:
-        (counts[d] + PRIOR_PASSES · row[d - 1]) / (passes[d] + PRIOR_PASSES), row[-1] being the pooled
-        distribution of every position. Every entry is > 0 where every pooled entry is."""
+        """[D, K_p + 1] float64 distributions per position over the ranks and none, each row summing to 1,
+        the ranks' part non-increasing: row[d] = (counts[d] + PRIOR_PASSES · row[d - 1]) / (passes[d] +
+        PRIOR_PASSES), row[-1] being the pooled distribution of every position, then the ranks 0..K_p - 1
+        made non-increasing by `non_increasing` (a drafter's candidates are sorted, and so must a profile's
+        row be). Every entry is > 0 where every pooled entry is."""
         counts = np.asarray(self.counts, dtype=np.float64)
         previous = counts.sum(0) / counts.sum()
         rows = np.empty_like(counts)
         for d in range(self.depth):
             rows[d] = (counts[d] + PRIOR_PASSES * previous) / (counts[d].sum() + PRIOR_PASSES)
+            rows[d, :-1] = non_increasing(rows[d, :-1])
             previous = rows[d]
         return rows
+
+
+def non_increasing(shares: np.ndarray) -> np.ndarray:
+    """The non-increasing sequence closest to `shares` [K] in least squares (pool adjacent violators: each
+    run that rises is replaced by its mean), the maximum-likelihood estimate of a multinomial whose cells
+    are ordered. Sums are kept."""
+    means: list[float] = []  # one entry per block of pooled cells
+    sizes: list[int] = []
+    for share in shares.tolist():
+        means.append(share)
+        sizes.append(1)
+        while len(means) > 1 and means[-2] < means[-1]:
+            mean, size = means.pop(), sizes.pop()
+            means[-1] = (means[-1] * sizes[-1] + mean * size) / (sizes[-1] + size)
+            sizes[-1] += size
+    return np.repeat(np.asarray(means, dtype=np.float64), sizes)
 
 
 def load_rank_histogram(path: Path) -> RankHistogram:
