@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=Path(__file__).resolve().parent / "smollm2-135m-dflash-ranks.json"
     )
     args = parser.parse_args(argv)
+    commit = head_commit()  # the code that runs: read before the decode, which takes a while
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_keys=tuple(keys),
         max_new_tokens=args.max_new_tokens,
         decode_budget=DECODE_BUDGET,
-        commit=head_commit(),
+        commit=commit,
         command=shlex.join(["python", "tools/offline_gpu/profiles/record_ranks.py", *sys.argv[1:]]),
         counts=count_ranks(passes, DEPTH, RANKS),
     )
