@@ -361,11 +361,14 @@ def test_default_policies_fit_the_default_max_budget() -> None:
     assert max(fixed) == DEFAULT_MAX_BUDGET
 
 
-def test_dflash_on_cpu_names_cuda(model_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_dflash_on_cpu_refuses_sampling(
+    model_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGLang's DFLASH worker verifies greedily on the CPU whatever the temperature (bench.dflash_cpu)."""
     target, drafter = model_dirs
     argv = ["bench", "--model-path", str(target), "--draft-model-path", str(drafter), "--device", "cpu"]
-    assert cli.main([*argv, "--policies", "dflash"]) == 2
-    assert "CUDA only" in capsys.readouterr().err
+    assert cli.main([*argv, "--policies", "ar,dflash", "--temperatures", "0,0.7"]) == 2
+    assert "--temperatures 0,0.7 must be 0" in capsys.readouterr().err
 
 
 def test_missing_paths(

@@ -6,7 +6,8 @@
 
 Policies: `ar` is the Engine without speculation; `chain`, `fixed:N`, `adaptive` and `bucketed` are
 `--speculative-algorithm BASTION` with that `--bastion-policy` (and `--max-budget` as N_max); `dflash` is
-SGLang's built-in DFLASH worker (CUDA only).
+SGLang's built-in DFLASH worker, unchanged (on the CPU with the bench's stand-ins, `bench.dflash_cpu`, at
+T = 0; under `--synthetic-acceptance` accepting by the same keyed draws, `bench.dflash_synthetic`).
 
 How the repeats run: `bench.run`; what each reported number means: `bench.report`; the files written:
 `bench.output`.
@@ -72,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
-        help=f"comma-separated: ar, chain, fixed:N, adaptive, bucketed, dflash (CUDA only); default "
-        f"{DEFAULT_POLICIES}",
+        help="comma-separated: ar, chain, fixed:N, adaptive, bucketed, dflash (SGLang's DFLASH worker; on "
+        f"the CPU at T = 0 only); default {DEFAULT_POLICIES}",
     )
     parser.add_argument(
         "--control",
@@ -152,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--synthetic-acceptance",
         default=None,
         metavar="FILE",
-        help="speed only: the BASTION Engines draft and accept by this synthetic acceptance profile "
+        help="speed only: the BASTION and dflash Engines accept by this synthetic acceptance profile "
         "(e.g. tools/offline_gpu/profiles/qwen3-8b-dflash-b16-gsm8k.json) instead of by the target, so "
         "trees run at a dummy-weight target's real step costs with a published acceptance; their output "
         "is not the target's",

@@ -82,7 +82,7 @@ def parse_policies(text: str, max_budget: int) -> tuple[BenchPolicy, ...]:
         try:
             parsed = parse_policy(name, width_buckets=buckets)
         except ValueError as error:
-            raise ValueError(f"--policies: {error} (or dflash, on CUDA)") from None
+            raise ValueError(f"--policies: {error} (or ar, dflash)") from None
         try:
             parsed.check_config(max_budget, buckets)
         except ValueError as error:
@@ -149,7 +149,8 @@ class BenchSettings(BaseModel):
     )
     synthetic_acceptance: str | None = Field(
         default=None,
-        description="the BASTION Engines accepted by this synthetic profile, not by the target; None: off",
+        description="the BASTION and dflash Engines accepted by this synthetic profile, not by the target; "
+        "None: off",
     )
     seed: int
 
@@ -268,9 +269,10 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     device: Device = (
         "cuda" if detect_device(None if args.device == "auto" else args.device).type == "cuda" else "cpu"
     )
-    if device == "cpu" and any(p.kind == "dflash" for p in policies):
+    if device == "cpu" and any(p.kind == "dflash" for p in policies) and any(t > 0 for t in temperatures):
         raise ValueError(
-            "--policies dflash: SGLang's DFLASH worker runs on CUDA only; drop dflash or use --device cuda"
+            f"--policies dflash on the CPU: SGLang's DFLASH worker verifies greedily there whatever the "
+            f"temperature, so --temperatures {args.temperatures} must be 0 (or use --device cuda)"
         )
     model_path = _check_model("--model-path", args.model_path)
     if args.load_format == "dummy":
@@ -283,11 +285,6 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 
         load_synthetic_profile(Path(args.synthetic_acceptance))  # ValueError names the file and field
-        if any(p.kind == "dflash" for p in policies):
-            raise ValueError(
-                "--synthetic-acceptance replaces BASTION's acceptance only; dflash would accept by its own "
-                "drafter: drop dflash"
-            )
         if any(t > 0 for t in temperatures):
             raise ValueError(
                 f"--synthetic-acceptance profiles describe greedy continuations: --temperatures "
@@ -416,6 +413,7 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    from bastion_sglang.bench.dflash_engine import mark_dflash_engine, prepare_bench_process
     from bastion_sglang.registration import attach_config, make_config
 
     load_plugins()
@@ -447,7 +445,14 @@ def server_args_for(plan: BenchPlan, policy: BenchPolicy, overrides: Mapping[str
         )
     elif policy.kind == "dflash":
         kwargs |= dict(speculative_algorithm="DFLASH", speculative_draft_model_path=settings.draft_model_path)
+        prepare_bench_process(cpu=settings.device == "cpu")
     server_args = ServerArgs(**(kwargs | dict(overrides or {})))
+    if policy.kind == "dflash" and (settings.device == "cpu" or settings.synthetic_acceptance is not None):
+        mark_dflash_engine(
+            server_args,
+            cpu=settings.device == "cpu",
+            synthetic_acceptance=settings.synthetic_acceptance,
+        )
     if policy.kind == "bastion":
         config = make_config(
             max_budget=settings.max_budget,
