@@ -21,14 +21,16 @@ INTERPRETED = Path(__file__).parent / "interpreted"
 """The folder of the modules the lane runs."""
 
 LANE_TIMEOUT_S = 540
-"""Wall-clock limit of one module's subprocess (below pytest-timeout's 600 s, so its output is kept)."""
+"""Default wall-clock limit of one module's subprocess, in seconds (below pytest-timeout's 600 s, so the
+module's output is kept)."""
 
 
-def run_interpreted(module: str) -> str:
+def run_interpreted(module: str, timeout_s: float = LANE_TIMEOUT_S) -> str:
     """Run `tests/interpreted/<module>` under Triton's interpreter in a pytest subprocess.
 
     Returns the subprocess's output when every test passed; otherwise fails the calling test with the
-    exit code and the whole output. `-P` keeps the working directory off `sys.path` (the repository root
+    exit code and the whole output (also when it runs past `timeout_s` seconds, below the calling test's
+    pytest-timeout). `-P` keeps the working directory off `sys.path` (the repository root
     holds a `kernels/` folder that Transformers would take for the Hugging Face `kernels` package).
     """
     path = INTERPRETED / module
@@ -44,6 +46,7 @@ def run_interpreted(module: str) -> str:
         "-p",
         "no:cacheprovider",
         "--durations=5",
+        f"--timeout={int(timeout_s)}",
         str(path),
     ]
     try:
@@ -52,12 +55,12 @@ def run_interpreted(module: str) -> str:
             env=env,
             capture_output=True,
             text=True,
-            timeout=LANE_TIMEOUT_S,
+            timeout=timeout_s,
             cwd=Path(__file__).parent.parent,
         )
     except subprocess.TimeoutExpired as timeout:
         pytest.fail(
-            f"{module} ran past {LANE_TIMEOUT_S} s under the interpreter:\n{timeout.stdout!s}", pytrace=False
+            f"{module} ran past {timeout_s} s under the interpreter:\n{timeout.stdout!s}", pytrace=False
         )
     output = done.stdout + done.stderr
     if done.returncode != 0:
