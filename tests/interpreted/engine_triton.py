@@ -12,8 +12,12 @@ What stands in the way on the CPU, patched here only (`triton_on_cpu`):
 - `registration.supported_attention_backends("cpu")` is torch_native alone, so `choose_attention_backend`
   (SGLang's `handle_cpu_backends` resolution step, in the launching process) refuses `--attention-backend
   triton` for BASTION on the CPU. The patch adds triton for the CPU. Nothing else is patched: SGLang's own
-  triton backend, its Triton kernels (KV index stream, extend and decode attention, `assign_req_to_token_pool`
-  where BASTION's CPU stand-in does not replace it) and BASTION's kernels run interpreted as they are.
+  triton backend and its Triton kernels (for the target and, as SGLang overrides the drafter's backend to
+  the target's, for the drafter) and BASTION's worker run as served, with the CPU stand-ins BASTION's
+  `cpu_support` installs in any CPU server (host versions of `assign_req_to_token_pool` and of the KV copy
+  among them); on CPU tensors the worker's own ops
+  take their torch references (`kernels.uses_triton` is CUDA only), `tests/interpreted/bastion_kernels.py`
+  holds their Triton versions.
 """
 
 from __future__ import annotations
