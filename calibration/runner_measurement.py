@@ -88,6 +88,11 @@ class SglangMeasurement:
     def vocab_size(self) -> int:
         return self._vocab
 
+    @property
+    def depth(self) -> int:
+        """D, the drafter's positions per pass: `greedy_records` decodes new_tokens + D - 1 steps."""
+        return self._proposer.depth
+
     @torch.no_grad()
     def set_context(self, context: int) -> None:
         from sglang.benchmark.one_batch import extend, prepare_synthetic_inputs_for_latency_test
@@ -356,14 +361,27 @@ def _drafter_on_target(
     draft_path: str | Path, runner: ModelRunner, vocab: int, device: torch.device, dtype: torch.dtype
 ) -> DFlashProposer | DFlash2Proposer:
     """The reference DFlash drafter for T_draft (module docstring) on the SGLang target's embedding and
-    LM head weights (no copy): a DFlash2Proposer for a DFlash2 drafter, else a DFlashProposer."""
+    LM head weights (no copy): a DFlash2Proposer for a DFlash2 drafter, else a DFlashProposer.
+
+    Under --tp-size N the target's embedding and LM head are vocabulary shards: the embedding all-reduces
+    (a collective, which every rank runs with the same drafter passes) and the head is the draft step's own
+    (`rank_sync.DraftHead`: this rank's logits all-gathered). A DFlash2 drafter reads the head's weight
+    whole, so it is refused there (as the worker refuses it)."""
     from bastion_sglang.reference.drafter import DFlashDrafter
     from bastion_sglang.reference.lattice_proposer import DFlash2Proposer
     from bastion_sglang.reference.proposer import DFlashProposer
+    from bastion_sglang.step.rank_sync import DraftHead, scheduler_group
 
     model = runner.model
     layers = int(runner.model_config.hf_config.num_hidden_layers)
     drafter = DFlashDrafter.from_pretrained(draft_path, device=device, dtype=dtype, target_num_layers=layers)
+    group = scheduler_group()
+    if group is not None:
+        if drafter.candidate_selector is not None:
+            raise ValueError(f"{draft_path}: a DFlash2 drafter is served and calibrated at --tp-size 1 only")
+        return DFlashProposer(
+            drafter, model.get_input_embeddings(), DraftHead.of(model.lm_head, vocab, group)
+        )
     head_weight = model.lm_head.weight[:vocab]
     head = nn.Linear(head_weight.shape[1], vocab, bias=False, device="meta")
     head.weight = nn.Parameter(head_weight, requires_grad=False)

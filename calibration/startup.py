@@ -2,9 +2,9 @@
 verify latency, step costs and drafter acceptance before it reports healthy, and stores the profile.
 
 When (`needs_startup_calibration`): `--bastion-startup-calibration` is quick or full, `--bastion-profile` is
-`auto`, the policy plans on the latency model (adaptive, bucketed), TP size 1 (a sweep times one rank), and
-the profile store holds no profile of this device, target config, dtype, attention backend and tp, or holds
-one whose acceptance calibration was fitted for another drafter.
+`auto`, the policy plans on the latency model (adaptive, bucketed), and the profile store holds no
+profile of this device, target config, dtype, attention backend and tp, or holds one whose acceptance
+calibration was fitted for another drafter.
 
 What (`StartupCalibration.run`), on the server's own target ModelRunner before it serves anything:
 - the device's peak matmul FLOP/s and copy bandwidth (`microbench.measure_peaks`, a second or two);
@@ -18,6 +18,9 @@ What (`StartupCalibration.run`), on the server's own target ModelRunner before i
   at once), the target's greedy continuation in SGLang's own forwards and the drafter's top-K at every root
   (a DFlash2 drafter's lattice, whose map the worker applies to its transitions); fitted and scored as
   `bastion calibrate` does (`acceptance_fit.fit_held_out`).
+Under --tp-size N every rank measures (each forward is a collective, so all ranks run the same grid and
+prompts in step; the drafter's LM head is gathered over the ranks as the draft step's is) and rank 0, whose
+plans the others follow (`step.rank_sync`), stores the profile.
 The profile is marked `made_by` startup-quick or startup-full and written to the store, so the next start
 with the same identity reuses it. A store that cannot be written is logged as an error naming it; the server
 plans with the profile all the same, and measures again at its next start.
@@ -127,11 +130,10 @@ def needs_startup_calibration(
     resolved: ResolvedProfile,
     explicit_profile: bool,
     plans_on_latency: bool,
-    tp_size: int,
     drafter_config_hash: str | None,
 ) -> str | None:
     """Why this server calibrates at start-up (module docstring), or None when it does not."""
-    if mode == "off" or explicit_profile or not plans_on_latency or tp_size != 1:
+    if mode == "off" or explicit_profile or not plans_on_latency:
         return None
     profile = resolved.profile
     if profile is None:
@@ -168,10 +170,12 @@ class StartupCalibration:
 
     def settings(self) -> StartupSettings:
         """The grid and prompts for this server: contexts up to what its KV pool and context length hold
-        besides two widest passes."""
+        besides two widest passes and, with pages of several tokens, two pages (SGLang's prefill asks for a
+        page more than its tokens, and the verify slots round up to a page)."""
         cap = max(self.planning_widths)
+        page = self._page_size()
         holds = min(
-            int(self.runner.max_total_num_tokens) - 2 * cap - 1,
+            int(self.runner.max_total_num_tokens) - 2 * cap - 1 - (2 * page if page > 1 else 0),
             int(self.runner.model_config.context_len) - cap - 1,
         )
         return StartupSettings.for_server(self.mode, self.planning_widths, holds, self.topk)
@@ -228,6 +232,8 @@ class StartupCalibration:
             )
         logger.info("BASTION: start-up calibration done in %.1f s", time.perf_counter() - started)
         path = store.path_for(profile)
+        if not _leads():  # rank 0 stores it there
+            return ResolvedProfile(profile, ProfileSource.STARTUP, path, identity, ())
         for line in [*describe_profile(profile, path), *leave_out_lines(profile.leave_out)]:
             logger.info("BASTION: %s", line)
         return ResolvedProfile(profile, ProfileSource.STARTUP, store_profile(profile, path), identity, ())
@@ -256,7 +262,9 @@ class StartupCalibration:
         greedy continuations in the server's own forwards, or None (with a warning saying why: no prompts,
         no tokenizer, too few events to fit)."""
         try:
-            prompts = self._prompts_that_fit(prompt_token_ids(self.tokenizer_path, settings), settings)
+            prompts = self._prompts_that_fit(
+                prompt_token_ids(self.tokenizer_path, settings), settings.max_new_tokens + measurement.depth
+            )
             eos_ids = set(self.runner.model_config.hf_eos_token_id or ())
             per_prompt = measurement.greedy_records(prompts, settings.max_new_tokens, settings.topk, eos_ids)
             result = fit_held_out(per_prompt, model_config_hash(self.draft_path), settings.report_budgets)
@@ -271,14 +279,19 @@ class StartupCalibration:
             logger.info("BASTION: %s", line)
         return result
 
-    def _prompts_that_fit(self, prompts: list[list[int]], settings: AcceptanceSettings) -> list[list[int]]:
-        """The first prompts whose tokens and continuations the KV pool holds at once (each prompt takes its
-        length plus new tokens plus the drafter's depth). ValueError when fewer than three fit (a third is
-        held out of the fit)."""
+    def _page_size(self) -> int:
+        return int(self.runner.token_to_kv_pool_allocator.page_size)
+
+    def _prompts_that_fit(self, prompts: list[list[int]], extra: int) -> list[list[int]]:
+        """The first prompts whose tokens and continuations the KV pool holds at once: each prompt takes its
+        length plus `extra` tokens (new tokens plus the drafter's depth), rounded up to whole pages, plus a
+        page for SGLang's prefill estimate when pages hold several tokens. ValueError when fewer than three
+        fit (a third is held out of the fit)."""
+        page = self._page_size()
         room = int(self.runner.max_total_num_tokens)
         chosen: list[list[int]] = []
         for ids in prompts:
-            room -= len(ids) + settings.max_new_tokens + self.planning_widths[-1]
+            room -= -(-(len(ids) + extra) // page) * page + (page if page > 1 else 0)
             if room < 0:
                 break
             chosen.append(ids)
@@ -288,6 +301,13 @@ class StartupCalibration:
                 "prompts at once; at least 3 are needed"
             )
         return chosen
+
+
+def _leads() -> bool:
+    """Whether this scheduler stores what it measured: rank 0 of its TP group, or the only rank."""
+    from bastion_sglang.step.rank_sync import RankSync, scheduler_group
+
+    return RankSync(scheduler_group()).leads
 
 
 def store_profile(profile: CalibrationProfile, path: Path) -> Path | None:

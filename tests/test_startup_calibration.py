@@ -41,24 +41,23 @@ def resolved(profile_acceptance_for: str | bool | None) -> ResolvedProfile:
 
 
 @pytest.mark.parametrize(
-    ("mode", "found", "explicit", "plans", "tp", "calibrates"),
+    ("mode", "found", "explicit", "plans", "calibrates"),
     [
-        ("quick", False, False, True, 1, True),  # nothing stored
-        ("full", False, False, True, 1, True),
-        ("off", False, False, True, 1, False),  # the operator said no
-        ("quick", False, True, True, 1, False),  # an explicit --bastion-profile is the operator's choice
-        ("quick", False, False, False, 1, False),  # fixed / chain never read the latency model
-        ("quick", False, False, True, 2, False),  # the sweep times one rank
-        ("quick", DRAFTER, False, True, 1, False),  # stored, fitted for this drafter: reused
-        ("quick", OTHER_DRAFTER, False, True, 1, True),  # fitted for another drafter
-        ("quick", None, False, True, 1, False),  # a map whose drafter is unknown is taken as it is
-        ("quick", True, False, True, 1, False),  # stored without acceptance (calibrate --no-acceptance)
+        ("quick", False, False, True, True),  # nothing stored
+        ("full", False, False, True, True),
+        ("off", False, False, True, False),  # the operator said no
+        ("quick", False, True, True, False),  # an explicit --bastion-profile is the operator's choice
+        ("quick", False, False, False, False),  # fixed / chain never read the latency model
+        ("quick", DRAFTER, False, True, False),  # stored, fitted for this drafter: reused
+        ("quick", OTHER_DRAFTER, False, True, True),  # fitted for another drafter
+        ("quick", None, False, True, False),  # a map whose drafter is unknown is taken as it is
+        ("quick", True, False, True, False),  # stored without acceptance (calibrate --no-acceptance)
     ],
 )
 def test_when_a_server_calibrates_at_start_up(
-    mode: str, found: str | bool | None, explicit: bool, plans: bool, tp: int, calibrates: bool
+    mode: str, found: str | bool | None, explicit: bool, plans: bool, calibrates: bool
 ) -> None:
-    why = needs_startup_calibration(mode, resolved(found), explicit, plans, tp, DRAFTER)  # type: ignore[arg-type]
+    why = needs_startup_calibration(mode, resolved(found), explicit, plans, DRAFTER)  # type: ignore[arg-type]
     assert (why is not None) == calibrates
     if found == OTHER_DRAFTER:
         assert why is not None and OTHER_DRAFTER[:12] in why and DRAFTER[:12] in why

@@ -130,7 +130,6 @@ def resolve_worker_profile(
             resolved,
             config.profile_path is not None,
             config.policy.may_decline,
-            identity.tp_size,
             drafter_hash(server_args.speculative_draft_model_path),
         )
     if why is not None and startup is not None:
