@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang import kernels
 from bastion_sglang.calibration.startup import StartupCalibration
 from bastion_sglang.integration.config import BastionConfig, config_of
 from bastion_sglang.integration.sglang_adapter import (
@@ -41,35 +40,24 @@ from bastion_sglang.integration.sglang_adapter import (
 )
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.step.accept import Acceptor, RowLogits, is_greedy
-from bastion_sglang.step.commit import (
-    DraftContextWriter,
-    TreeCommit,
-    attach_logprobs,
-    kv_copy_seconds_per_token,
-)
-from bastion_sglang.step.draft_context import ContextRows
+from bastion_sglang.step.commit import DraftContextWriter, TreeCommit
 from bastion_sglang.step.draft_protocols import DraftLogitsRewriter, load_draft_logits_rewriter
 from bastion_sglang.step.drafter_forward import DrafterForward
 from bastion_sglang.step.graph_buckets import planning_widths, real_rows
-from bastion_sglang.step.lattice_plan import plan_draft
 from bastion_sglang.step.metrics import BastionMetrics, scheduler_metric_labels
+from bastion_sglang.step.plan_stage import plan_step
 from bastion_sglang.step.planning_setup import worker_step_controller
-from bastion_sglang.step.prefill_redraw import PrefillRedraw
+from bastion_sglang.step.prefill import Prefill
 from bastion_sglang.step.rank_sync import DraftHead, RankSync, scheduler_group
-from bastion_sglang.step.request_outputs import (
-    attach_prefill_hidden_states,
-    attach_sampling_masks,
-    attach_step_hidden_states,
-    capture_final_hidden_states,
-)
-from bastion_sglang.step.spec_input import BastionDraftInput
+from bastion_sglang.step.request_outputs import attach_step_outputs, capture_final_hidden_states
+from bastion_sglang.step.spec_input import step_result
 from bastion_sglang.step.step_controller import StepController, StepPlan, StepRecord, StepStart
 from bastion_sglang.step.synthetic_acceptance import SyntheticAcceptor, SyntheticDraft
 from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 from bastion_sglang.step.target_forward import DecodeInputs, TargetForward, TreePass
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.server_args import ServerArgs
 
@@ -98,7 +86,8 @@ class BastionWorker(DFlashWorkerV2):
         vocab_size = int(self.model_runner.model_config.vocab_size)
         backend = str(get_exec().kernel.sampling_backend)
         rewriter, self._acceptor = self._draft_rewriter_and_acceptor(server_args, vocab_size, backend)
-        self._prefill_redraw = PrefillRedraw(self._acceptor, self.model_runner)
+        server_seed = int(server_args.random_seed or 0)
+        self._prefill = Prefill(self._acceptor, self.model_runner, server_seed, self.device, self._reserve)
         group = scheduler_group()  # None with one TP rank
         self._rank_sync = RankSync(group)
         self._drafter = DrafterForward(
@@ -120,7 +109,6 @@ class BastionWorker(DFlashWorkerV2):
         )
         self._server_args = server_args
         self._controller: StepController  # built in init_cuda_graphs, once the KV pools exist
-        self._seed_source = torch.Generator().manual_seed(int(server_args.random_seed or 0))
         logger.info(
             "BASTION worker: drafter block %d, N_max %d (verify width cap %d), K %d, policy %s",
             block_size,
@@ -171,14 +159,7 @@ class BastionWorker(DFlashWorkerV2):
             self._startup_calibration(),
             self._drafter.drafts_lattices,
         )
-        if self._page_size > 1:
-            copy_seconds = kv_copy_seconds_per_token(self, config.verify_width_cap)
-            self._controller.costs.add_prior_per_token(copy_seconds)
-            logger.info(
-                "BASTION: page size %d, tree commits copy KV: %.3g µs per verify token priced",
-                self._page_size,
-                copy_seconds * 1e6,
-            )
+        self._commit.price_copies(self._controller.costs, config.verify_width_cap)
 
     def _startup_calibration(self) -> StartupCalibration | None:
         """How this server measures its own profile at start-up (`calibration.startup`): on the target's
@@ -219,26 +200,10 @@ class BastionWorker(DFlashWorkerV2):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             self._controller.after_prefill()
             self._context.write_held()
-            seeds = torch.tensor(
-                [self._seed_for(req) for req in batch.reqs], dtype=torch.int64, device=self.device
+            prefill = super().forward_batch_generation
+            return self._prefill.run(
+                batch, lambda: prefill(batch, on_publish, grammar_barrier, pp_proxy_tensors)
             )
-            keys = kernels.seed_keys(seeds)  # hashed once per request; a step hashes only its positions
-            with self._prefill_redraw.around(batch, keys):  # a retracted request's token is BASTION's
-                result = super().forward_batch_generation(
-                    batch, on_publish, grammar_barrier, pp_proxy_tensors
-                )
-            attach_prefill_hidden_states(batch, result.logits_output)
-            prefill_tokens = result.next_token_ids.to(torch.int64)
-            self._acceptor.recent_outputs.record(
-                batch.reqs, prefill_tokens[:, None], torch.ones_like(prefill_tokens)
-            )
-            result.next_draft_input = BastionDraftInput(
-                bonus_tokens=prefill_tokens,
-                new_seq_lens=batch.seq_lens.to(torch.int64),
-                seed_keys=keys,
-                reserve=self._reserve,
-            )
-            return result
         return self._decode_step(batch, on_publish, grammar_barrier)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
@@ -254,17 +219,7 @@ class BastionWorker(DFlashWorkerV2):
         """One decode step (module docstring). on_publish: the overlap scheduler's callback taking the [B]
         committed lengths after this step (None without overlap); it is called as soon as they are known,
         before the commit stage, so the scheduler can prepare the next step while the commit runs."""
-        draft_input: BastionDraftInput = batch.spec_info
-        step_inputs = DecodeInputs(
-            batch=batch,
-            roots=draft_input.bonus_tokens,
-            seed_keys=draft_input.seed_keys,
-            prefix=batch.seq_lens.to(torch.int64),
-            prefix_cpu=batch.seq_lens_cpu,
-            rows_index=batch.req_pool_indices.to(torch.int64)[:, None],
-            on_publish=on_publish,
-            grammar_barrier=grammar_barrier,
-        )
+        step_inputs = DecodeInputs.of(batch, on_publish, grammar_barrier)
         controller = self._controller
         contexts = step_inputs.prefix_cpu.tolist()
         step = controller.begin(
@@ -288,27 +243,13 @@ class BastionWorker(DFlashWorkerV2):
     ) -> tuple[StepPlan | None, TreePass | None]:
         """The step's plan (None: the drafter did not run) and, when it verifies draft nodes, its laid-out
         verify pass (None: a width-1 step). draft: [B, h, K] top-K (DFlash) or a [B, h, K, K] lattice
-        (DFlash2), planned through `lattice_plan.plan_draft`. Under TP rank 0 plans and every rank takes its
-        rows (DFlash2 drafters run on one rank: `registration.check_draft_logits_supported`)."""
+        (DFlash2); under TP rank 0 plans and every rank takes its rows (`plan_stage.plan_step`)."""
         if draft is None:
             self._controller.record(step, None)
             return None, None
-        leads = self._rank_sync.leads
-        if leads:
-            planned = plan_draft(self._controller, step, draft, self.config.branching)
-        else:
-            planned = self._controller.plain(step, draft if isinstance(draft, DraftTopK) else draft.unary)
-        local_rows = (
-            kernels.flatten_trees(planned.trees, inputs.roots, planned.plan.width)
-            if planned.trees is not None
-            else kernels.root_rows(inputs.roots)
+        planned, rows = plan_step(
+            self._controller, self._rank_sync, step, draft, inputs.roots, self.config.branching
         )
-        # rank 0's rows on every TP rank: roots, then the first W - 1 nodes of each planned tree
-        rows = self._rank_sync.share_rows(local_rows, True)
-        deepest = None  # the draft horizon's observation, read from the host trees on rank 0 (it plans)
-        if leads:
-            deepest = 0 if planned.trees is None else planned.trees.deepest(rows.width - 1)
-        self._controller.record(step, planned, deepest)
         if rows.width == 1:
             return planned, None
         return planned, self._target.layout(inputs, rows, step.contexts)
@@ -320,22 +261,14 @@ class BastionWorker(DFlashWorkerV2):
         roots' drafter rows are held for the next drafter pass."""
         batch, timer = inputs.batch, self._controller.timer
         bs = len(step.contexts)
-        width, grammar_tree = 1, None
         with timer.stage("verify"):
             new_seq_lens = inputs.prefix + 1  # [B] the lengths with the roots, the step's commit
-            if batch.has_grammar or not self._target.runs_plain_decode:
-                tree_pass = self._target.layout(inputs, kernels.root_rows(inputs.roots), step.contexts)
-                target_out = self._target.verify(batch, tree_pass, inputs.prefix_cpu)
-                width, grammar_tree = tree_pass.shape.width, tree_pass.grammar_tree
-                slots = tree_pass.slots[:, 0]  # [B] each root's KV slot, at position L_b
-            else:
-                slots = self._target.root_slots(inputs)
-                target_out = self._target.decode_plain(inputs, slots, new_seq_lens, sum(step.contexts) + bs)
+            roots_pass = self._target.roots(inputs, step.contexts, new_seq_lens)
+        target_out, links = roots_pass.target_out, roots_pass.grammar_tree
         with timer.stage("accept"):
             logits_output = target_out.logits_output
-            logits = real_rows(logits_output.next_token_logits, bs, 1)[:, : self._acceptor.vocab_size]
-            logits = logits.contiguous()  # [B, V]: the in-place adjustments land in the tensor sampled
-            row_logits = RowLogits(inputs.roots[:, None], None, grammar_tree, inputs.grammar_barrier)
+            logits = self._acceptor.pass_logits(logits_output, bs, 1)  # [B, V]
+            row_logits = RowLogits(inputs.roots[:, None], None, links, inputs.grammar_barrier)
             root_targets = self._acceptor.root_targets(
                 batch, logits, row_logits, step.contexts, inputs.seed_keys, new_seq_lens
             )
@@ -343,19 +276,16 @@ class BastionWorker(DFlashWorkerV2):
         if inputs.on_publish is not None:
             inputs.on_publish(new_seq_lens)  # the next step's seq_lens, through SGLang's future map
         with timer.stage("commit"):
-            hidden = real_rows(logits_output.hidden_states, bs, 1)
-            if target_out.can_run_cuda_graph:
-                hidden = hidden.clone()  # the graph's output buffer is overwritten by its next replay
-            self._context.defer(batch, ContextRows(hidden, slots, inputs.prefix))
-            attach_step_hidden_states(batch, logits_output, bs, 1, None)
-            attach_sampling_masks(
-                batch, logits_output, root_targets.target_probs, targets[:, None], None, commit_lens
+            self._context.defer(batch, roots_pass.context_rows(inputs.prefix))  # held for the drafter
+            attach_step_outputs(
+                batch, logits_output, logits, root_targets.target_probs, targets[:, None], None, commit_lens
             )
-            if batch.return_logprob:
-                attach_logprobs(batch, logits_output, logits, targets[:, None], None)
-        record = StepRecord(step.index, [width] * bs, step.contexts, step.l_ar, step.other_seconds, drafted)
+        widths = [roots_pass.width] * bs
+        record = StepRecord(step.index, widths, step.contexts, step.l_ar, step.other_seconds, drafted)
         self._controller.end(record)
-        return self._step_result(inputs, target_out, targets[:, None], commit_lens, targets, new_seq_lens)
+        return step_result(
+            target_out, targets[:, None], commit_lens, targets, new_seq_lens, inputs.seed_keys, self._reserve
+        )
 
     def _tree_step(
         self, inputs: DecodeInputs, step: StepStart, planned: StepPlan, tree_pass: TreePass
@@ -369,10 +299,7 @@ class BastionWorker(DFlashWorkerV2):
             target_out = self._target.verify(batch, tree_pass, inputs.prefix_cpu)
         with timer.stage("accept"):
             logits_output = target_out.logits_output
-            # [B * W, V] of the real positions; contiguous so the in-place adjustments below land in the
-            # tensor used after them
-            logits = real_rows(logits_output.next_token_logits, bs, width)[:, : self._acceptor.vocab_size]
-            logits = logits.contiguous()
+            logits = self._acceptor.pass_logits(logits_output, bs, width)  # [B * W, V]
             ancestors = tree_pass.verify.layout.ancestor_mask
             row_logits = RowLogits(rows.tokens, ancestors, tree_pass.grammar_tree, inputs.grammar_barrier)
             accept = self._acceptor.walk(
@@ -392,57 +319,27 @@ class BastionWorker(DFlashWorkerV2):
                 hidden,
                 accept.commit_lens,
             )
-            attach_step_hidden_states(batch, logits_output, bs, width, accept.order)
-            attach_sampling_masks(
-                batch, logits_output, accept.target_probs, accept.out_tokens, accept.order, accept.commit_lens
+            attach_step_outputs(
+                batch,
+                logits_output,
+                logits,
+                accept.target_probs,
+                accept.out_tokens,
+                accept.order,
+                accept.commit_lens,
             )
-            if batch.return_logprob:
-                attach_logprobs(batch, logits_output, logits, accept.out_tokens, accept.order)
         plan = planned.plan
         estimated = plan.estimated_verify_seconds if plan.speculates else step.l_ar
         widths = [tree_pass.shape.width] * bs
         self._controller.end(
             StepRecord(step.index, widths, step.contexts, estimated, step.other_seconds, True)
         )
-        return self._step_result(
-            inputs, target_out, accept.out_tokens, accept.commit_lens, accept.bonus_tokens, new_seq_lens
+        return step_result(
+            target_out,
+            accept.out_tokens,
+            accept.commit_lens,
+            accept.bonus_tokens,
+            new_seq_lens,
+            inputs.seed_keys,
+            self._reserve,
         )
-
-    # ---- what the scheduler gets -----------------------------------------------------------------
-
-    def _step_result(
-        self,
-        inputs: DecodeInputs,
-        target_out: GenerationBatchResult,
-        out_tokens: torch.Tensor,
-        commit_lens: torch.Tensor,
-        bonus_tokens: torch.Tensor,
-        new_seq_lens: torch.Tensor,
-    ) -> GenerationBatchResult:
-        """What a decode step hands the scheduler: out_tokens [B, W] (the first commit_lens [B] int32 of each
-        row are emitted), the next roots bonus_tokens [B], the committed lengths new_seq_lens [B], the
-        requests' walk keys (carried on)."""
-        width = int(out_tokens.shape[1])
-        return GenerationBatchResult(
-            logits_output=target_out.logits_output,
-            next_token_ids=out_tokens.reshape(-1),
-            accept_lens=commit_lens,
-            can_run_cuda_graph=target_out.can_run_cuda_graph,
-            next_draft_input=BastionDraftInput(
-                bonus_tokens=bonus_tokens,
-                new_seq_lens=new_seq_lens,
-                seed_keys=inputs.seed_keys,
-                reserve=self._reserve,
-            ),
-            speculative_num_draft_tokens=width,
-            speculative_output_stride=width,
-            new_seq_lens=new_seq_lens,
-        )
-
-    def _seed_for(self, req: Req) -> int:
-        """Seed of the request's sampling walk: its sampling_seed, else one drawn from the server seed; as
-        a two's-complement int64."""
-        seed = req.sampling_params.sampling_seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), generator=self._seed_source))
-        return (int(seed) + 2**63) % 2**64 - 2**63

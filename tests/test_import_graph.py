@@ -114,7 +114,7 @@ def test_the_walk_finds_a_circle() -> None:
 def test_the_graph_sees_the_project() -> None:
     """Edges the code certainly has: module-level, lazy (inside a function) and `from package import sub`."""
     graph = import_graph()
-    assert "bastion_sglang.kernels" in graph["bastion_sglang.worker"]
+    assert "bastion_sglang.kernels" in graph["bastion_sglang.step.commit"]
     assert "bastion_sglang.registration" in graph["bastion_sglang"]
     assert "bastion_sglang.kernels.reference" in graph["bastion_sglang.kernels.triton_tree"]
     assert "bastion_sglang.kernels" not in graph["bastion_sglang.kernels.triton_tree"]
@@ -204,6 +204,8 @@ FLOORS: tuple[Floor, ...] = (
                         "request_outputs",
                         "request_penalties",
                         "prefill_redraw",
+                        "prefill",
+                        "plan_stage",
                         "rank_sync",
                         "drafter_forward",
                         "accept",

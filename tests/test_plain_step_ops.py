@@ -6,7 +6,6 @@ the step anatomy's counter on the CPU, with the target's forward replaced by its
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -74,7 +73,6 @@ def fake_worker(req_to_token: torch.Tensor, graph: bool) -> tuple[Any, list[Any]
         _context=DraftContextWriter(base),
         _reserve=8,
     )
-    worker._step_result = functools.partial(BastionWorker._step_result, worker)
     return worker, outputs
 
 

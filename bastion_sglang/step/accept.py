@@ -24,6 +24,7 @@ from bastion_sglang.integration.sglang_adapter import (
     build_grammar_vocab_mask,
     target_sampling_probs,
 )
+from bastion_sglang.step.graph_buckets import real_rows
 from bastion_sglang.step.request_penalties import (
     RecentOutputs,
     has_output_penalty,
@@ -96,6 +97,13 @@ class Acceptor:
                 (max(batch_size, 2 * self._ones.numel()),), dtype=torch.int32, device=device
             )
         return self._ones[:batch_size]
+
+    def pass_logits(self, logits_output: Any, batch_size: int, width: int) -> torch.Tensor:
+        """The verify pass's logits of its W real positions per request, [B * W, V] over the target's
+        vocabulary (padding rows and padded vocabulary dropped), contiguous so that the in-place adjustments
+        of `process_logits` land in the tensor sampled and returned as logprobs."""
+        logits = real_rows(logits_output.next_token_logits, batch_size, width)
+        return logits[:, : self.vocab_size].contiguous()
 
     def process_logits(
         self, batch: ScheduleBatch, logits: torch.Tensor, rows: RowLogits, contexts: list[int]

@@ -19,6 +19,7 @@ change of batch or 64 held steps.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,10 @@ from bastion_sglang.step.timing import time_op
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from bastion_sglang.controller.step_costs import StepCostTracker
+
+logger = logging.getLogger(__name__)
 
 
 class DraftContextWriter:
@@ -76,7 +81,22 @@ class TreeCommit:
 
     def __init__(self, worker: DFlashWorkerV2, page_size: int) -> None:
         self._worker = worker
+        self._page_size = page_size
         self._copies_kv = page_size > 1
+
+    def price_copies(self, costs: StepCostTracker, tokens: int) -> None:
+        """With pages of several tokens, add the KV copy's seconds per verify token, timed here at `tokens`
+        slots (`kv_copy_seconds_per_token`), to the step costs' prior; with pages of one token nothing is
+        copied and nothing is added. Call at start-up, before any request holds KV."""
+        if not self._copies_kv:
+            return
+        copy_seconds = kv_copy_seconds_per_token(self._worker, tokens)
+        costs.add_prior_per_token(copy_seconds)
+        logger.info(
+            "BASTION: page size %d, tree commits copy KV: %.3g µs per verify token priced",
+            self._page_size,
+            copy_seconds * 1e6,
+        )
 
     def commit(
         self,

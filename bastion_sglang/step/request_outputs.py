@@ -31,6 +31,7 @@ from bastion_sglang.integration.sglang_adapter import (
     SpeculativeSamplingMaskCapture,
     get_server_return_hidden_states_mode,
 )
+from bastion_sglang.step.commit import attach_logprobs
 from bastion_sglang.step.graph_buckets import real_rows
 
 if TYPE_CHECKING:
@@ -117,3 +118,27 @@ def attach_sampling_masks(
     logits_output.sampling_mask_output = capture.build_output(
         out_tokens=out_tokens.index_select(0, rows), commit_lens=commit_lens.index_select(0, rows)
     )
+
+
+def attach_step_outputs(
+    batch: ScheduleBatch,
+    logits_output: Any,
+    logits: torch.Tensor,
+    target_probs: torch.Tensor | None,
+    out_tokens: torch.Tensor,
+    order: torch.Tensor | None,
+    commit_lens: torch.Tensor,
+) -> None:
+    """Everything a decode step returns besides its tokens, for the requests that ask: hidden states
+    (`attach_step_hidden_states`), sampling masks (`attach_sampling_masks`) and logprobs
+    (`commit.attach_logprobs`).
+
+    logits: [B * W, V] the rows' processed logits; target_probs: [B, W, V] (None: every request greedy);
+    out_tokens: [B, W] int64 the step's output rows; order: [B, W] int64 the compaction order (None: W = 1,
+    the roots); commit_lens: [B] int32.
+    """
+    bs, width = out_tokens.shape
+    attach_step_hidden_states(batch, logits_output, bs, width, order)
+    attach_sampling_masks(batch, logits_output, target_probs, out_tokens, order, commit_lens)
+    if batch.return_logprob:
+        attach_logprobs(batch, logits_output, logits, out_tokens, order)

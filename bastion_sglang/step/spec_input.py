@@ -15,7 +15,8 @@ mask, the width W).
 
 The forward builders of a decode step are here too: `prepare_verify_forward` (the target's tree pass),
 `plain_decode_forward` (the target's DECODE pass of the roots alone, as SGLang runs it without speculation)
-and `prepare_draft_forward` (the drafter's block pass).
+and `prepare_draft_forward` (the drafter's block pass); `step_result` is what a decode step returns to the
+scheduler.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from bastion_sglang.integration.sglang_adapter import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
+    GenerationBatchResult,
     SpecInput,
     SpecInputType,
     SpeculativeAlgorithm,
@@ -435,3 +437,30 @@ def prepare_draft_forward(
     )
     plan.bind(forward_batch, sgl.kv_index_translator(draft_runner))
     return forward_batch
+
+
+def step_result(
+    target_out: GenerationBatchResult,
+    out_tokens: torch.Tensor,
+    commit_lens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+    new_seq_lens: torch.Tensor,
+    seed_keys: torch.Tensor,
+    reserve: int,
+) -> GenerationBatchResult:
+    """What a decode step hands the scheduler: out_tokens [B, W] (the first commit_lens [B] int32 of each
+    row are emitted), the next roots bonus_tokens [B], the committed lengths new_seq_lens [B], the requests'
+    walk keys seed_keys [B] (carried on) and the KV `reserve` of the next step's draft input."""
+    width = int(out_tokens.shape[1])
+    return GenerationBatchResult(
+        logits_output=target_out.logits_output,
+        next_token_ids=out_tokens.reshape(-1),
+        accept_lens=commit_lens,
+        can_run_cuda_graph=target_out.can_run_cuda_graph,
+        next_draft_input=BastionDraftInput(
+            bonus_tokens=bonus_tokens, new_seq_lens=new_seq_lens, seed_keys=seed_keys, reserve=reserve
+        ),
+        speculative_num_draft_tokens=width,
+        speculative_output_stride=width,
+        new_seq_lens=new_seq_lens,
+    )

@@ -18,7 +18,8 @@ import torch
 from bastion_sglang import kernels
 from bastion_sglang.integration import sglang_adapter as sgl
 from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, GenerationBatchResult, GrammarTree
-from bastion_sglang.step.graph_buckets import VerifyPass, VerifyShape, padded_verify_pass
+from bastion_sglang.step.draft_context import ContextRows
+from bastion_sglang.step.graph_buckets import VerifyPass, VerifyShape, padded_verify_pass, real_rows
 from bastion_sglang.step.graphs import VerifyGraphs, capture_verify_graphs, planned_graph_widths
 from bastion_sglang.step.spec_input import plain_decode_forward, prepare_verify_forward
 
@@ -41,6 +42,22 @@ class DecodeInputs:
     on_publish: Any  # the overlap scheduler's callback for the committed lengths (None without overlap)
     grammar_barrier: Any
 
+    @classmethod
+    def of(cls, batch: ScheduleBatch, on_publish: Any, grammar_barrier: Any) -> DecodeInputs:
+        """The step's inputs from SGLang's batch and the draft input it carries
+        (`spec_input.BastionDraftInput`)."""
+        draft_input = batch.spec_info
+        return cls(
+            batch=batch,
+            roots=draft_input.bonus_tokens,
+            seed_keys=draft_input.seed_keys,
+            prefix=batch.seq_lens.to(torch.int64),
+            prefix_cpu=batch.seq_lens_cpu,
+            rows_index=batch.req_pool_indices.to(torch.int64)[:, None],
+            on_publish=on_publish,
+            grammar_barrier=grammar_barrier,
+        )
+
 
 @dataclass(frozen=True)
 class TreePass:
@@ -53,6 +70,24 @@ class TreePass:
     verify: VerifyPass
     grammar_tree: GrammarTree | None  # the rows' links for grammar requests (None: none in the batch)
     prefix_sum: int  # Σ L_b, the batch's committed tokens
+
+
+@dataclass(frozen=True)
+class RootsPass:
+    """A width-1 step's target forward: each root's forward and the target's logits after it."""
+
+    target_out: GenerationBatchResult
+    slots: torch.Tensor  # [B] int64 each root's KV slot, at position L_b
+    width: int  # the pass's width: 1, or the captured graph width a verify of the roots was padded to
+    grammar_tree: GrammarTree | None  # the roots' links for grammar requests (None: none, or a DECODE pass)
+
+    def context_rows(self, prefix: torch.Tensor) -> ContextRows:
+        """The roots' drafter context rows: each root's target features at its slot and position L_b
+        (prefix: [B] int64), copied out of a CUDA graph's output buffer, which its next replay overwrites."""
+        hidden = real_rows(self.target_out.logits_output.hidden_states, len(prefix), 1)
+        if self.target_out.can_run_cuda_graph:
+            hidden = hidden.clone()
+        return ContextRows(hidden, self.slots, prefix)
 
 
 class TargetForward:
@@ -136,6 +171,19 @@ class TargetForward:
         logits_output = result.logits_output
         logits_output.next_token_logits = sgl.gathered_verify_logits(worker, logits_output.next_token_logits)
         return result
+
+    def roots(self, inputs: DecodeInputs, contexts: list[int], new_seq_lens: torch.Tensor) -> RootsPass:
+        """A width-1 step's forward of the roots: SGLang's own DECODE forward where no grammar and no captured
+        graph need the verify layout, else a verify pass of the roots (padded to its graph width, with the
+        grammar's links). contexts: [B] host L_b; new_seq_lens: [B] int64 L_b + 1."""
+        batch = inputs.batch
+        if batch.has_grammar or not self.runs_plain_decode:
+            tree_pass = self.layout(inputs, kernels.root_rows(inputs.roots), contexts)
+            target_out = self.verify(batch, tree_pass, inputs.prefix_cpu)
+            return RootsPass(target_out, tree_pass.slots[:, 0], tree_pass.shape.width, tree_pass.grammar_tree)
+        slots = self.root_slots(inputs)
+        target_out = self.decode_plain(inputs, slots, new_seq_lens, sum(contexts) + len(contexts))
+        return RootsPass(target_out, slots, 1, None)
 
     def decode_plain(
         self, inputs: DecodeInputs, slots: torch.Tensor, seq_lens: torch.Tensor, seq_lens_sum: int
