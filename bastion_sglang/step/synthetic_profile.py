@@ -1,8 +1,10 @@
 """The synthetic acceptance profile file (`synthetic_acceptance`): per draft position and candidate rank, the
 probability that the target's token is that candidate given the path so far.
 
-Written by tools/offline_gpu/profiles/fit_acceptance.py from published acceptance lengths; read by the worker
-under `BastionConfig.synthetic_acceptance` and checked by `bastion bench --synthetic-acceptance`.
+Written by tools/offline_gpu/profiles/fit_acceptance.py, scaled to published acceptance lengths: flat rows of
+an assumed geometric form, or rows shaped by a real drafter's rank histogram per position (`-shaped` files,
+`calibration.rank_histogram`); read by the worker under `BastionConfig.synthetic_acceptance` and checked by
+`bastion bench --synthetic-acceptance`.
 """
 
 from __future__ import annotations
