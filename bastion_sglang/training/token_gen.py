@@ -198,7 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-total-tokens", type=int, default=65536, help="KV cache tokens")
     parser.add_argument("--max-chunks", type=int, default=None, help="stop after this many new chunks")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()  # its own handler: the Engine sets the root logger to its log level
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     logger.info("torch threads: OMP_NUM_THREADS=%s", os.environ.get("OMP_NUM_THREADS", "unset"))
     manifest = generate(
         args.target.resolve(),
