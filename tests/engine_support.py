@@ -8,6 +8,7 @@ given `BastionConfig`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,38 @@ def first_difference(got: list[int], want: list[int]) -> int:
     return next(
         (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
     )
+
+
+SEED_PROBE_SEEDS = (1, 2, 3, 4)
+SEED_PROBE_REGEX = "x[a-z]{15}"
+"""16 one-byte tokens: the first fixed ('x', so SGLang's unseeded prefill sampler has one choice), then 15
+letters drawn by BASTION's accept walk, where the tiny target spreads its mass over many tokens."""
+
+
+def seed_probe_params(**extra: Any) -> list[dict[str, Any]]:
+    """Sampling params of the seed probe: one request per seed of SEED_PROBE_SEEDS, all for the same prompt,
+    T = 0.8 under SEED_PROBE_REGEX (`extra`: more params for every request)."""
+    return [
+        {"temperature": 0.8, "max_new_tokens": 16, "regex": SEED_PROBE_REGEX, "sampling_seed": seed} | extra
+        for seed in SEED_PROBE_SEEDS
+    ]
+
+
+def seed_probe(engine: Any, prompt: list[int] | None = None, **extra: Any) -> list[list[int]]:
+    """Send the seed probe (`seed_probe_params(**extra)`, prompt default PROMPTS[0]) to `engine` as one
+    batch; returns the output ids per seed."""
+    ids = [PROMPTS[0] if prompt is None else prompt] * len(SEED_PROBE_SEEDS)
+    outs = engine.generate(input_ids=ids, sampling_params=seed_probe_params(**extra))
+    return [out["output_ids"] for out in outs]
+
+
+def assert_seeds_sample(outputs: list[list[int]]) -> None:
+    """Sampling samples: the seed probe's outputs (one prompt, one per seed) each spell SEED_PROBE_REGEX, and
+    no two are equal. The first token is fixed, so a sampler that ignored the temperature, the seed or the
+    sampled rows (drawing every token as the argmax) would return one output for every seed."""
+    letters = re.compile(SEED_PROBE_REGEX.encode())
+    assert len(outputs) == len(SEED_PROBE_SEEDS)
+    for ids in outputs:
+        assert letters.fullmatch(bytes(ids)), f"{bytes(ids)!r} does not spell {SEED_PROBE_REGEX}"
+    distinct = {tuple(ids) for ids in outputs}
+    assert len(distinct) == len(outputs), f"seeds {SEED_PROBE_SEEDS} gave {len(distinct)} outputs: {outputs}"
