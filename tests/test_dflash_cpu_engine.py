@@ -6,7 +6,9 @@ installed through the marker `bench.dflash_engine.mark_dflash_engine` puts on th
 one without speculation, DFLASH with a test-only oracle drafter (tests/dflash_test_hooks.py: long accepted
 blocks), DFLASH under a synthetic profile, and BASTION's `chain` under the same profile.
 
-- T = 0: DFLASH's tokens equal SGLang's without speculation, with blocks accepted far past one token.
+- T = 0: DFLASH's tokens equal SGLang's without speculation, with blocks accepted far past one token; and
+  with a DFlash2 drafter (SGLang's own DFlash2 chain: its candidate selector picks the block's path), on the
+  successor pair of tests/test_dflash2_engine.py whose lattice paths the target accepts.
 - Synthetic acceptance: the profile's rows sum to 1, so whether draft position d is accepted depends on the
   request's keyed uniform at that position alone (`truth_uniforms`: rank 0, the drafted token, below q[d, 0]).
   Every request's verify count equals the count replayed from the uniforms, for DFLASH and for BASTION's
@@ -29,6 +31,7 @@ import sglang
 import torch
 from dflash_test_hooks import DflashOracle, ForwardLog, read_forward_log
 from engine_support import PROMPTS, engine_server_args, make_model_pair
+from test_dflash2_engine import make_successor_pair
 
 from bastion_sglang import kernels
 from bastion_sglang.bench.dflash_engine import mark_dflash_engine, prepare_bench_process
@@ -145,6 +148,19 @@ def test_dflash_on_cpu_equals_no_speculation(reference: Run, oracle_run: Run) ->
     assert oracle_run.outputs == reference.outputs
     tokens = sum(len(out) for out in oracle_run.outputs)
     assert sum(oracle_run.verify_counts) * 4 < tokens  # blocks accepted far past one token per verify
+
+
+@pytest.fixture(scope="module")
+def successor_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    pair, _ = make_successor_pair(tmp_path_factory.mktemp("dflash2_successor"))
+    return pair
+
+
+def test_dflash2_on_cpu_equals_no_speculation(successor_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    reference = _run(engine_server_args(successor_pair, None, **MEM), [GREEDY] * len(PROMPTS))
+    dflash2 = _run(_dflash_args(successor_pair, None, tmp_path / "forwards.jsonl"), [GREEDY] * len(PROMPTS))
+    assert dflash2.outputs == reference.outputs
+    assert sum(dflash2.verify_counts) * 4 < sum(len(out) for out in dflash2.outputs)
 
 
 def test_synthetic_dflash_accepts_by_the_keyed_draws(synthetic_run: Run) -> None:
