@@ -371,6 +371,19 @@ def test_dflash_on_cpu_refuses_sampling(
     assert "--temperatures 0,0.7 must be 0" in capsys.readouterr().err
 
 
+def test_dflash_under_synthetic_acceptance_refuses_a_dflash2_drafter(
+    model_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bench's dflash seam covers a DFlash drafter's greedy head, not a DFlash2 selector."""
+    target, drafter = model_dirs
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"]}))
+    profile = Path(__file__).parents[1] / "tools/offline_gpu/profiles/qwen3-8b-dflash-b16-gsm8k.json"
+    argv = ["bench", "--model-path", str(target), "--draft-model-path", str(drafter), "--device", "cpu"]
+    synthetic = ["--synthetic-acceptance", str(profile), "--ignore-eos"]
+    assert cli.main([*argv, "--policies", "dflash", *synthetic]) == 2
+    assert f"{drafter} is a DFlash2 drafter (DFlash2DraftModel)" in capsys.readouterr().err
+
+
 def test_missing_paths(
     model_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -200,6 +200,28 @@ def _check_dummy_target(model_path: str) -> None:
         )
 
 
+def _check_dflash_drafter_for_synthetic(draft_path: str) -> None:
+    """ValueError naming the drafter when it is a local DFlash2 drafter: under synthetic acceptance the
+    bench's `dflash` seam (`bench.dflash_synthetic`) covers a DFlash drafter's greedy head, and a DFlash2
+    drafter's candidate selector drafts SGLang's block elsewhere."""
+    from bastion_sglang.integration.drafter_config import DFLASH2_ARCHITECTURES
+
+    config = Path(draft_path) / "config.json"
+    if not config.is_file():
+        return
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"--draft-model-path {config}: not a readable JSON object: {error}") from None
+    dflash2 = sorted(set(architectures) & set(DFLASH2_ARCHITECTURES))
+    if dflash2:
+        raise ValueError(
+            f"--policies dflash with --synthetic-acceptance: {draft_path} is a DFlash2 drafter "
+            f"({dflash2[0]}), whose selector drafts SGLang's block where the synthetic draws cannot reach; "
+            "use a DFlash drafter or drop dflash"
+        )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """`--load-format` and `--random-prompts`, shared by `bastion bench` and `bastion step-anatomy`: a
     target measured at its shape from its config.json alone."""
@@ -285,6 +307,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 
         load_synthetic_profile(Path(args.synthetic_acceptance))  # ValueError names the file and field
+        if any(p.kind == "dflash" for p in policies) and draft_path is not None:
+            _check_dflash_drafter_for_synthetic(draft_path)
         if any(t > 0 for t in temperatures):
             raise ValueError(
                 f"--synthetic-acceptance profiles describe greedy continuations: --temperatures "
