@@ -9,7 +9,8 @@ own greedy walk every step; module-scoped, since Engines are slow to start on tw
   request and seeded sampled requests (one with a repetition penalty). Every greedy request equals SGLang
   without speculation (overlap off: SGLang's overlap scheduler applies penalties a step late). Seeded
   requests cannot equal SGLang's own sampler (BASTION's walk draws each position's uniform from the seed and
-  the position), so they equal each other across the two policies, whose trees differ.
+  the position), so they equal each other across the two policies, whose trees differ; after the batch,
+  one prompt under four seeds gives four outputs (engine_support's seed probe).
 - the successor pair (drafter blocks of 8 tokens; the random pair's are 16): a target whose next token is a
   fixed permutation σ of the current one (its layers add nothing to the residual stream; its LM head row
   σ(t) is a multiple of the final-norm state of t), and a DFlash2 drafter whose backbone knows nothing
@@ -31,7 +32,14 @@ from typing import Any
 import pytest
 import sglang
 import torch
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from safetensors.torch import load_file, save_file
 from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import MASK_ID
@@ -68,20 +76,24 @@ MIN_SUCCESSOR_ACCEPT = 4.0  # greedy tokens per verify pass; a broken anchor or 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What one Engine returned: output ids per request, and greedy completion tokens and verify passes."""
+    """What one Engine returned: output ids per request, greedy completion tokens and verify passes, and the
+    seed probe's outputs (engine_support.seed_probe; None: not sent)."""
 
     outputs: list[list[int]]
     completion_tokens: int
     verify_calls: int
+    probe: list[list[int]] | None = None
 
 
-def _generate(server_args: Any, requests: list[tuple[list[int], dict[str, Any]]]) -> Run:
-    """One Engine, one batch of `requests`; counts over the greedy (temperature 0) requests."""
+def _generate(server_args: Any, requests: list[tuple[list[int], dict[str, Any]]], probe: bool = False) -> Run:
+    """One Engine, one batch of `requests` (then the seed probe if `probe`); counts over the greedy
+    (temperature 0) requests."""
     engine = sglang.Engine(server_args=server_args)
     try:
         outs = engine.generate(
             input_ids=[ids for ids, _ in requests], sampling_params=[p for _, p in requests]
         )
+        probed = seed_probe(engine) if probe else None
     finally:
         engine.shutdown()
     greedy = [out for out, (_, params) in zip(outs, requests, strict=True) if params["temperature"] == 0.0]
@@ -89,6 +101,7 @@ def _generate(server_args: Any, requests: list[tuple[list[int], dict[str, Any]]]
         outputs=[out["output_ids"] for out in outs],
         completion_tokens=sum(int(out["meta_info"]["completion_tokens"]) for out in greedy),
         verify_calls=sum(int(out["meta_info"].get("spec_verify_ct") or 0) for out in greedy),
+        probe=probed,
     )
 
 
@@ -188,7 +201,7 @@ def random_reference(random_pair: tuple[Path, Path]) -> Run:
 
 @pytest.fixture(scope="module")
 def random_runs(random_pair: tuple[Path, Path]) -> dict[str, Run]:
-    return {policy: _generate(_bastion_args(random_pair, policy), MIXED) for policy in POLICIES}
+    return {policy: _generate(_bastion_args(random_pair, policy), MIXED, probe=True) for policy in POLICIES}
 
 
 @pytest.fixture(scope="module")
@@ -220,9 +233,20 @@ def test_seeded_requests_equal_across_policies(random_runs: dict[str, Run]) -> N
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_sampling_samples(random_runs: dict[str, Run], policy: str) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    probe = random_runs[policy].probe
+    assert probe is not None
+    assert_seeds_sample(probe)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_speculative_steps_ran(random_runs: dict[str, Run], policy: str) -> None:
     run = random_runs[policy]
-    assert 0 < run.verify_calls <= run.completion_tokens, policy
+    greedy = sum(params["temperature"] == 0.0 for _, params in MIXED)
+    # every decode step commits at least one token; each request's first token comes from its prefill (the
+    # floor a broken lattice or accept walk would miss is the successor pair's, MIN_SUCCESSOR_ACCEPT)
+    assert 0 < run.verify_calls <= run.completion_tokens - greedy, policy
 
 
 @pytest.mark.parametrize("policy", POLICIES)
