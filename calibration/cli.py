@@ -43,6 +43,8 @@ from bastion_sglang.calibration.identity import (
     installed_version,
     model_config_hash,
     parse_dtype,
+    plain_settings,
+    weights_hash,
 )
 from bastion_sglang.calibration.microbench import datasheet_comparison, measure_peaks
 from bastion_sglang.calibration.profile_cli import describe_profile, leave_out_lines
@@ -352,6 +354,9 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         attention_backend=plan.attention_backend,
         tp_size=plan.tp_size,
         created_at=now_utc(),
+        settings=plain_settings(dtype_name(plan.dtype)).model_copy(update={"load_format": plan.load_format}),
+        draft_model_path=plan.draft_model_path if plan.acceptance is not None else None,
+        drafter_weights_hash=weights_hash(plan.draft_model_path) if plan.acceptance is not None else None,
     )
     profile = build_profile(
         metadata=metadata,

@@ -2,9 +2,10 @@
 verify latency, step costs and drafter acceptance before it reports healthy, and stores the profile.
 
 When (`needs_startup_calibration`): `--bastion-startup-calibration` is quick or full, `--bastion-profile` is
-`auto`, the policy plans on the latency model (adaptive, bucketed), and the profile store holds no
-profile of this device, target config, dtype, attention backend and tp, or holds one whose acceptance
-calibration was fitted for another drafter.
+`auto`, the policy plans on the latency model (adaptive, bucketed), and the profile store holds no profile
+that matches this runtime (`identity`: device, target, dtype, attention backend, tp, SGLang version and
+serving settings), or, for a runtime that plans with an acceptance map (real weights, real drafts), none
+measured with this drafter (its weights hash).
 
 What (`StartupCalibration.run`), on the server's own target ModelRunner before it serves anything:
 - the device's peak matmul FLOP/s and copy bandwidth (`microbench.measure_peaks`, a second or two);
@@ -34,7 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -54,7 +55,7 @@ from bastion_sglang.calibration.identity import (
     installed_version,
     model_config_hash,
 )
-from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
+from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile, describe_choice
 from bastion_sglang.calibration.microbench import measure_peaks
 from bastion_sglang.calibration.profile_cli import describe_profile, leave_out_lines
 from bastion_sglang.calibration.runner_measurement import SglangMeasurement
@@ -126,24 +127,19 @@ class StartupSettings:
 
 
 def needs_startup_calibration(
-    mode: StartupMode,
-    resolved: ResolvedProfile,
-    explicit_profile: bool,
-    plans_on_latency: bool,
-    drafter_config_hash: str | None,
+    mode: StartupMode, resolved: ResolvedProfile, explicit_profile: bool, plans_on_latency: bool
 ) -> str | None:
-    """Why this server calibrates at start-up (module docstring), or None when it does not."""
+    """Why this server calibrates at start-up (module docstring), or None when it does not. A drafter whose
+    weights cannot be hashed is never found in the store, so it does not make a server calibrate at every
+    start."""
     if mode == "off" or explicit_profile or not plans_on_latency:
         return None
-    profile = resolved.profile
-    if profile is None:
-        return "no stored profile matches this runtime"
-    fitted_for = None if profile.acceptance is None else profile.acceptance.drafter_config_hash
-    if fitted_for is not None and drafter_config_hash is not None and fitted_for != drafter_config_hash:
-        return (
-            f"the stored profile {resolved.path} was fitted for drafter config {fitted_for[:12]}, this "
-            f"drafter is {drafter_config_hash[:12]}"
-        )
+    if resolved.profile is None:
+        return resolved.reason or "no stored profile matches this runtime"
+    identity = resolved.identity
+    wants_acceptance = not identity.serving.marks and identity.drafter_weights_hash is not None
+    if wants_acceptance and resolved.acceptance_profile is None:
+        return f"no stored profile measured this drafter's acceptance ({resolved.acceptance_miss})"
     return None
 
 
@@ -232,11 +228,24 @@ class StartupCalibration:
             )
         logger.info("BASTION: start-up calibration done in %.1f s", time.perf_counter() - started)
         path = store.path_for(profile)
-        if not _leads():  # rank 0 stores it there
-            return ResolvedProfile(profile, ProfileSource.STARTUP, path, identity, ())
-        for line in [*describe_profile(profile, path), *leave_out_lines(profile.leave_out)]:
-            logger.info("BASTION: %s", line)
-        return ResolvedProfile(profile, ProfileSource.STARTUP, store_profile(profile, path), identity, ())
+        if _leads():
+            for line in [*describe_profile(profile, path), *leave_out_lines(profile.leave_out)]:
+                logger.info("BASTION: %s", line)
+            stored = store_profile(profile, path)
+        else:
+            stored = path  # rank 0 stores it there
+        miss = identity.acceptance_mismatch(profile)
+        resolved = ResolvedProfile(
+            profile,
+            ProfileSource.STARTUP,
+            stored,
+            identity,
+            (),
+            acceptance_profile=profile if miss is None else None,
+            acceptance_path=stored if miss is None else None,
+            acceptance_miss=miss,
+        )
+        return replace(resolved, reason=describe_choice(resolved))
 
     def _metadata(self, identity: RuntimeIdentity) -> ProfileMetadata:
         model_path = identity.model_path or str(self.runner.model_config.model_path)
@@ -253,6 +262,9 @@ class StartupCalibration:
             tp_size=identity.tp_size,
             created_at=now_utc(),
             made_by=f"startup-{self.mode}",
+            settings=identity.serving,
+            draft_model_path=self.draft_path,
+            drafter_weights_hash=identity.drafter_weights_hash,
         )
 
     def _acceptance(

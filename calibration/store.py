@@ -18,11 +18,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 from bastion_sglang.calibration.identity import RuntimeIdentity
-from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, load_profile
+from bastion_sglang.controller.profile import THOROUGHNESS, CalibrationProfile, ProfileError, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,36 @@ class ProfileMatch:
 
 
 @dataclass(frozen=True)
+class Rejected:
+    """A readable stored profile that does not match: what it differs in (identity.Mismatch triples)."""
+
+    path: Path
+    mismatches: tuple[tuple[str, str, str], ...]
+
+
+@dataclass(frozen=True)
 class ProfileSearch:
-    """What `ProfileStore.find_profile` found: the matching profile (or None) and the unreadable files it
-    skipped."""
+    """What `ProfileStore.find_profile` found.
+
+    match: the latency profile to plan with (None: none matches). matches: every match, preferred first
+    (`preference`). acceptance: the preferred match whose acceptance part is this runtime's drafter's
+    (None: none is). acceptance_misses: for each other match, why its acceptance part is not.
+    rejected: readable profiles that do not match, and why. skipped: unreadable files.
+    """
 
     match: ProfileMatch | None
+    matches: tuple[ProfileMatch, ...]
+    acceptance: ProfileMatch | None
+    acceptance_misses: tuple[tuple[Path, str], ...]
+    rejected: tuple[Rejected, ...]
     skipped: tuple[StoreEntry, ...]
+
+
+def preference(match: ProfileMatch) -> tuple[int, datetime, str]:
+    """Sort key of matches, larger first preferred: the most thorough (`THOROUGHNESS`: bastion calibrate,
+    then a full start-up, then a quick one), then the newest, then the file name."""
+    meta = match.profile.metadata
+    return THOROUGHNESS[meta.made_by], meta.created_at, match.path.name
 
 
 @dataclass(frozen=True)
@@ -131,7 +155,9 @@ class ProfileStore:
         return entries
 
     def find_profile(self, identity: RuntimeIdentity) -> ProfileSearch:
-        """The newest profile (by `created_at`) whose metadata matches `identity` in every field, if any.
+        """The profiles whose metadata matches `identity`'s latency part (`RuntimeIdentity.mismatches`),
+        preferred first (`preference`), and the preferred one whose acceptance part is this drafter's
+        (`RuntimeIdentity.acceptance_mismatch`).
 
         A file that cannot be read (unreadable, corrupt, wrong version) is skipped and listed in
         `ProfileSearch.skipped`, so one broken file in a shared store does not stop servers of other
@@ -139,18 +165,31 @@ class ProfileStore:
         ProfileError is raised: the profile meant for this runtime is broken, and planning without it
         would hide that.
         """
-        matches, skipped = [], []
+        matches, rejected, skipped = [], [], []
         for entry in self.list_profiles():
             if entry.error is not None:
                 if named_for(entry.path, identity):
                     raise entry.error
                 skipped.append(entry)
-            elif entry.profile is not None and not identity.mismatches(entry.profile.metadata):
-                matches.append(ProfileMatch(entry.path, entry.profile))
-        best = max(
-            matches, key=lambda match: (match.profile.metadata.created_at, match.path.name), default=None
+            elif entry.profile is not None:
+                mismatches = identity.mismatches(entry.profile)
+                if mismatches:
+                    rejected.append(Rejected(entry.path, tuple(mismatches)))
+                else:
+                    matches.append(ProfileMatch(entry.path, entry.profile))
+        matches.sort(key=preference, reverse=True)
+        misses = [(match.path, identity.acceptance_mismatch(match.profile)) for match in matches]
+        acceptance = next(
+            (match for match, (_, miss) in zip(matches, misses, strict=True) if miss is None), None
         )
-        return ProfileSearch(best, tuple(skipped))
+        return ProfileSearch(
+            match=matches[0] if matches else None,
+            matches=tuple(matches),
+            acceptance=acceptance,
+            acceptance_misses=tuple((path, miss) for path, miss in misses if miss is not None),
+            rejected=tuple(rejected),
+            skipped=tuple(skipped),
+        )
 
 
 def named_for(path: Path, identity: RuntimeIdentity) -> bool:

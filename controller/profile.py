@@ -1,7 +1,10 @@
 """Calibration profile: the file the `calibrate` CLI writes and the server loads once at start-up.
 
-A profile pins one (GPU, target model, dtype, attention backend, TP size) to its measured verify latencies,
-the fitted calibrated roofline, and the per-step costs the budget policies use. Format: JSON, one
+A profile pins one (GPU, target model, dtype, attention backend, TP size, serving settings) to its measured
+verify latencies, the fitted calibrated roofline, and the per-step costs the budget policies use, and its
+acceptance part to one drafter (`ProfileMetadata.drafter_weights_hash`). Fields added to schema 2 after its
+first files (`settings`, `draft_model_path`, `drafter_weights_hash`) default to None, so those files still
+load. Format: JSON, one
 `CalibrationProfile` object, `schema_version` = PROFILE_SCHEMA_VERSION. Loading validates everything once
 and raises `ProfileError` naming the file and the bad field; nothing is re-read per step.
 
@@ -65,6 +68,42 @@ class ProfileError(Exception):
 
 MadeBy = Literal["calibrate", "startup-quick", "startup-full"]
 """How a profile was measured (`ProfileMetadata.made_by`)."""
+THOROUGHNESS: dict[MadeBy, int] = {"calibrate": 2, "startup-full": 1, "startup-quick": 0}
+"""How thorough each kind of profile is (larger: more widths, contexts, repeats and prompts): among the
+profiles that match a runtime, the store's lookup prefers the most thorough, then the newest."""
+Mark = Literal["dummy-weights", "synthetic-acceptance"]
+"""What makes a profile's numbers stand for something else than a serving deployment: measured on random
+weights (`--load-format dummy`), or by a server whose drafts were rewritten to a synthetic acceptance."""
+
+
+class ServingSettings(BaseModel):
+    """The server settings besides device, model, dtype, attention backend and TP size that a profile was
+    measured under: each changes a verify pass's cost, or (load format, synthetic acceptance) what the
+    profile's numbers stand for. Profiles written before these were recorded have none
+    (`ProfileMetadata.settings` None): `calibration.identity.recorded_settings` says what can be known."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    quantization: str | None = Field(description="SGLang's --quantization, None: the checkpoint's weights")
+    kv_cache_dtype: str = Field(
+        min_length=1, description="the KV cache's dtype, SGLang's 'auto' resolved to the model dtype"
+    )
+    page_size: int = Field(ge=1, description="KV cache tokens per page (--page-size)")
+    cuda_graphs: bool = Field(description="whether verify passes replay captured CUDA graphs")
+    load_format: str = Field(min_length=1, description="SGLang's --load-format (dummy: random weights)")
+    synthetic_acceptance: bool = Field(
+        default=False, description="whether the server's drafts were rewritten to a synthetic acceptance"
+    )
+
+    @property
+    def marks(self) -> tuple[Mark, ...]:
+        """The marks (`Mark`) these settings give a profile, in a fixed order."""
+        marks: list[Mark] = []
+        if self.load_format == "dummy":
+            marks.append("dummy-weights")
+        if self.synthetic_acceptance:
+            marks.append("synthetic-acceptance")
+        return tuple(marks)
 
 
 class ProfileMetadata(BaseModel):
@@ -87,6 +126,19 @@ class ProfileMetadata(BaseModel):
         default="calibrate",
         description="calibrate: `bastion calibrate` (the thorough grid); startup-quick / startup-full: a "
         "server's start-up calibration (`--bastion-startup-calibration`)",
+    )
+    settings: ServingSettings | None = Field(
+        default=None,
+        description="the serving settings it was measured under (None: written before them)",
+    )
+    draft_model_path: str | None = Field(
+        default=None, description="the drafter whose acceptance was measured (None: not recorded or none)"
+    )
+    drafter_weights_hash: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="`calibration.identity.weights_hash` of that drafter: the profile's acceptance part (its "
+        "map, or none where none could be fitted) is for this drafter only (None: not recorded)",
     )
 
 

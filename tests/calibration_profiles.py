@@ -17,7 +17,13 @@ from typing import Any
 from bastion_sglang.calibration.fitting import build_profile
 from bastion_sglang.calibration.identity import RuntimeIdentity
 from bastion_sglang.controller.latency import DecodeFit, LatencyFit, LatencyModel, LatencySample
-from bastion_sglang.controller.profile import CalibrationProfile, ProfileMetadata, StepCosts, save_profile
+from bastion_sglang.controller.profile import (
+    CalibrationProfile,
+    ProfileMetadata,
+    ServingSettings,
+    StepCosts,
+    save_profile,
+)
 from bastion_sglang.controller.roofline import KNOWN_GPUS, QWEN3_8B, RooflineModel
 
 H100 = KNOWN_GPUS["H100-SXM"]
@@ -42,6 +48,11 @@ alone."""
 COSTS = StepCosts(t_draft=2.0e-3, t_aux=4.0e-4, l_ar=1.8e-2)
 HASH = "a" * 64
 OTHER_HASH = "b" * 64
+PLAIN_SETTINGS = ServingSettings(
+    quantization=None, kv_cache_dtype="bfloat16", page_size=1, cuda_graphs=False, load_format="auto"
+)
+"""The serving settings of BASE_METADATA and of IDENTITY (which sets none): unquantized, KV cache in bfloat16,
+pages of one token, eager, real weights."""
 BASE_METADATA: dict[str, Any] = dict(
     device_name="NVIDIA H100 80GB HBM3",
     driver_version="550.54.15",
@@ -54,6 +65,7 @@ BASE_METADATA: dict[str, Any] = dict(
     attention_backend="triton",
     tp_size=1,
     created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    settings=PLAIN_SETTINGS,
 )
 IDENTITY = RuntimeIdentity(
     device_name="NVIDIA H100 80GB HBM3",
@@ -78,7 +90,10 @@ def synthetic_samples(
 
 
 def make_profile(samples: list[LatencySample] | None = None, **metadata: Any) -> CalibrationProfile:
-    """A profile fitted by `build_profile` on `samples` (default: TRUE_FIT's), BASE_METADATA | metadata."""
+    """A profile fitted by `build_profile` on `samples` (default: TRUE_FIT's), BASE_METADATA | metadata; a
+    `dtype` given without `settings` keeps the KV cache in that dtype."""
+    if "dtype" in metadata and "settings" not in metadata:
+        metadata["settings"] = PLAIN_SETTINGS.model_copy(update={"kv_cache_dtype": metadata["dtype"]})
     return build_profile(
         metadata=ProfileMetadata(**(BASE_METADATA | metadata)),
         shape=QWEN3_8B,

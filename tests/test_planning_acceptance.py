@@ -1,6 +1,7 @@
-"""The acceptance calibration a worker plans with (`planning_setup.planning_acceptance`): the profile's,
-bound to the drafter by its config hash, for a DFlash drafter's top-K and a DFlash2 drafter's lattices
-alike; a calibration fitted for the DFlash base is not a DFlash2 drafter's."""
+"""The acceptance calibration a worker plans with (`planning_setup.planning_acceptance`): the map of the
+profile measured with this drafter, bound by the drafter's weights hash, for a DFlash drafter's top-K and a
+DFlash2 drafter's lattices alike; a calibration measured with the DFlash base is not a DFlash2 drafter's,
+and one that records no drafter is no drafter's."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from calibration_profiles import IDENTITY, make_profile
 from tiny_dflash2 import make_tiny_dflash2_drafter
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from bastion_sglang.calibration.identity import model_config_hash
-from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
+from bastion_sglang.calibration.identity import weights_hash
+from bastion_sglang.calibration.lookup import ResolvedProfile, resolve_latency_profile
+from bastion_sglang.calibration.store import ProfileStore
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
+from bastion_sglang.controller.profile import save_profile
 from bastion_sglang.step.planning_setup import planning_acceptance
+
+CALIBRATION = AcceptanceCalibration(slopes=[1.2, 1.5], offsets=[-0.1, -0.3], events=[40, 30])
 
 
 @pytest.fixture(scope="module")
@@ -26,50 +31,45 @@ def drafters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_drafter(folder / "dflash", target), make_tiny_dflash2_drafter(folder / "dflash2", target)
 
 
-def resolved_with(calibration: AcceptanceCalibration) -> ResolvedProfile:
-    profile = make_profile().model_copy(update={"acceptance": calibration})
-    return ResolvedProfile(profile, ProfileSource.EXPLICIT, Path("/store/profile.json"), IDENTITY, ())
-
-
-def calibration_for(drafter: Path | None) -> AcceptanceCalibration:
-    fitted_for = None if drafter is None else model_config_hash(drafter)
-    return AcceptanceCalibration(
-        slopes=[1.2, 1.5], offsets=[-0.1, -0.3], events=[40, 30], drafter_config_hash=fitted_for
+def resolved_with(tmp_path: Path, measured_with: Path | None, drafter: Path) -> ResolvedProfile:
+    """The explicit profile (with CALIBRATION) measured with `measured_with` (None: not recorded), resolved
+    for a runtime whose drafter is `drafter`."""
+    profile = make_profile(
+        drafter_weights_hash=None if measured_with is None else weights_hash(measured_with)
     )
+    path = tmp_path / "profile.json"
+    save_profile(profile.model_copy(update={"acceptance": CALIBRATION}), path)
+    identity = IDENTITY.model_copy(update={"drafter_weights_hash": weights_hash(drafter)})
+    return resolve_latency_profile(path, identity, ProfileStore(tmp_path / "store"))
 
 
 def test_a_dflash2_drafter_plans_with_its_profiles_calibration(
-    drafters: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+    tmp_path: Path, drafters: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     _, dflash2 = drafters
-    calibration = calibration_for(dflash2)
     with caplog.at_level(logging.INFO):
-        chosen = planning_acceptance(resolved_with(calibration), str(dflash2), lattice_drafts=True)
-    assert chosen == calibration
+        chosen = planning_acceptance(resolved_with(tmp_path, dflash2, dflash2), lattice_drafts=True)
+    assert chosen == CALIBRATION
     assert "planning the DFlash2 drafter's lattices with the acceptance calibration" in caplog.text
 
 
 def test_a_calibration_of_the_dflash_base_is_not_the_dflash2_drafters(
-    drafters: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+    tmp_path: Path, drafters: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     dflash, dflash2 = drafters
-    assert model_config_hash(dflash) != model_config_hash(dflash2)
     with caplog.at_level(logging.INFO):
-        chosen = planning_acceptance(
-            resolved_with(calibration_for(dflash)), str(dflash2), lattice_drafts=True
-        )
+        chosen = planning_acceptance(resolved_with(tmp_path, dflash, dflash2), lattice_drafts=True)
     assert chosen is None
-    assert "was fitted for drafter config" in caplog.text
+    assert "is not this runtime's (measured for drafter weights" in caplog.text
     assert "raw transition log-probs" in caplog.text
     # and the other way round: a DFlash2 drafter's calibration is not its DFlash base's
-    other = planning_acceptance(resolved_with(calibration_for(dflash2)), str(dflash), lattice_drafts=False)
-    assert other is None
+    assert planning_acceptance(resolved_with(tmp_path, dflash2, dflash), lattice_drafts=False) is None
 
 
-def test_a_dflash_drafter_plans_with_its_profiles_calibration(drafters: tuple[Path, Path]) -> None:
+def test_a_dflash_drafter_plans_with_its_profiles_calibration(
+    tmp_path: Path, drafters: tuple[Path, Path]
+) -> None:
     dflash, dflash2 = drafters
-    calibration = calibration_for(dflash)
-    assert planning_acceptance(resolved_with(calibration), str(dflash), lattice_drafts=False) == calibration
-    # a calibration with no drafter hash is taken for any drafter, a DFlash2 one too
-    unbound = calibration_for(None)
-    assert planning_acceptance(resolved_with(unbound), str(dflash2), lattice_drafts=True) == unbound
+    assert planning_acceptance(resolved_with(tmp_path, dflash, dflash), lattice_drafts=False) == CALIBRATION
+    # a calibration that records no drafter is no drafter's
+    assert planning_acceptance(resolved_with(tmp_path, None, dflash2), lattice_drafts=True) is None

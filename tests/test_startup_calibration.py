@@ -8,12 +8,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from calibration_profiles import IDENTITY, make_profile
+from calibration_profiles import IDENTITY, PLAIN_SETTINGS, make_profile
 
 from bastion_sglang.calibration.lookup import ProfileSource, ResolvedProfile
 from bastion_sglang.calibration.profile_cli import describe_profile
 from bastion_sglang.calibration.startup import StartupSettings, needs_startup_calibration, store_profile
-from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.profile import load_profile
 from bastion_sglang.integration.config import (
     STARTUP_CALIBRATION_ENV,
@@ -26,40 +25,56 @@ DRAFTER = "a" * 64
 OTHER_DRAFTER = "b" * 64
 
 
-def resolved(profile_acceptance_for: str | bool | None) -> ResolvedProfile:
-    """A lookup result: False, no profile; else a profile whose acceptance map was fitted for that drafter
-    hash (None: a map with no hash), or True: a profile without any acceptance map."""
-    if profile_acceptance_for is False:
-        return ResolvedProfile(None, ProfileSource.NONE, None, IDENTITY, ())
-    profile = make_profile()
-    if profile_acceptance_for is not True:
-        calibration = AcceptanceCalibration(
-            slopes=[1.0], offsets=[0.0], events=[10], drafter_config_hash=profile_acceptance_for
+def resolved(found: str) -> ResolvedProfile:
+    """A lookup result for a runtime with drafter DRAFTER: "none", no profile; "this", a profile measured
+    with this drafter; "other", one measured with OTHER_DRAFTER only; "synthetic", "other" for a runtime
+    under synthetic acceptance; "unhashed", "other" for a drafter whose weights could not be hashed."""
+    identity = IDENTITY.model_copy(update={"drafter_weights_hash": DRAFTER})
+    if found == "synthetic":
+        identity = identity.model_copy(
+            update={"settings": PLAIN_SETTINGS.model_copy(update={"synthetic_acceptance": True})}
         )
-        profile = profile.model_copy(update={"acceptance": calibration})
-    return ResolvedProfile(profile, ProfileSource.STORE, Path("stored.json"), IDENTITY, ())
+    if found == "unhashed":
+        identity = identity.model_copy(update={"drafter_weights_hash": None})
+    if found == "none":
+        return ResolvedProfile(
+            None, ProfileSource.NONE, None, identity, (), reason="no stored profile matches"
+        )
+    measured_with = DRAFTER if found == "this" else OTHER_DRAFTER
+    profile = make_profile(drafter_weights_hash=measured_with)
+    miss = identity.acceptance_mismatch(profile)
+    return ResolvedProfile(
+        profile,
+        ProfileSource.STORE,
+        Path("stored.json"),
+        identity,
+        (),
+        acceptance_profile=profile if miss is None else None,
+        acceptance_path=Path("stored.json") if miss is None else None,
+        acceptance_miss=miss,
+    )
 
 
 @pytest.mark.parametrize(
     ("mode", "found", "explicit", "plans", "calibrates"),
     [
-        ("quick", False, False, True, True),  # nothing stored
-        ("full", False, False, True, True),
-        ("off", False, False, True, False),  # the operator said no
-        ("quick", False, True, True, False),  # an explicit --bastion-profile is the operator's choice
-        ("quick", False, False, False, False),  # fixed / chain never read the latency model
-        ("quick", DRAFTER, False, True, False),  # stored, fitted for this drafter: reused
-        ("quick", OTHER_DRAFTER, False, True, True),  # fitted for another drafter
-        ("quick", None, False, True, False),  # a map whose drafter is unknown is taken as it is
-        ("quick", True, False, True, False),  # stored without acceptance (calibrate --no-acceptance)
+        ("quick", "none", False, True, True),  # nothing stored
+        ("full", "none", False, True, True),
+        ("off", "none", False, True, False),  # the operator said no
+        ("quick", "none", True, True, False),  # an explicit --bastion-profile is the operator's choice
+        ("quick", "none", False, False, False),  # fixed / chain never read the latency model
+        ("quick", "this", False, True, False),  # stored, measured with this drafter: reused
+        ("quick", "other", False, True, True),  # latency stored, but no acceptance of this drafter
+        ("quick", "synthetic", False, True, False),  # rewritten drafts plan with no map: latency suffices
+        ("quick", "unhashed", False, True, False),  # never found: it would calibrate at every start
     ],
 )
 def test_when_a_server_calibrates_at_start_up(
-    mode: str, found: str | bool | None, explicit: bool, plans: bool, calibrates: bool
+    mode: str, found: str, explicit: bool, plans: bool, calibrates: bool
 ) -> None:
-    why = needs_startup_calibration(mode, resolved(found), explicit, plans, DRAFTER)  # type: ignore[arg-type]
+    why = needs_startup_calibration(mode, resolved(found), explicit, plans)  # type: ignore[arg-type]
     assert (why is not None) == calibrates
-    if found == OTHER_DRAFTER:
+    if found == "other":
         assert why is not None and OTHER_DRAFTER[:12] in why and DRAFTER[:12] in why
 
 

@@ -2,8 +2,10 @@
 controller, resolved once at start-up from `--bastion-profile` and the runtime's identity.
 
 `--bastion-profile PATH` loads that profile; `auto` looks in the profile store for the profile of this
-device, target config, dtype, attention backend and tp. Without one (or with one fitted for another drafter),
-a server whose policy plans on latency measures its own at start-up (`calibration.startup`,
+runtime (`calibration.identity`: device, target config, dtype, attention backend, tp, SGLang version and
+serving settings; the acceptance map by the drafter's weights) and logs one line saying which it took and
+why. Without one (or with none measured with this drafter), a server whose policy plans on latency measures
+its own at start-up (`calibration.startup`,
 `--bastion-startup-calibration`); with that off, the worker plans on an uncalibrated roofline of the target
 on this device (CPU_HARDWARE on a CPU, the GPU's datasheet otherwise) corrected online by the EMA.
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bastion_sglang.calibration.identity import RuntimeIdentity, model_config_hash
+from bastion_sglang.calibration.identity import RuntimeIdentity, installed_version, serving_settings
 from bastion_sglang.calibration.lookup import (
     ResolvedProfile,
     resolve_acceptance,
@@ -72,11 +74,7 @@ def worker_latency_model(
     """
     if resolved is None:
         resolved = resolve_worker_profile(config, server_args, dtype, device)
-    if resolved.profile is not None:
-        logger.info("BASTION: planning with latency profile %s", resolved.path)
-        hardware = None
-    else:
-        hardware = planning_hardware(device, dtype)
+    hardware = None if resolved.profile is not None else planning_hardware(device, dtype)
     latency = build_calibrated_latency_model(
         resolved, target_config, hardware, config.ema_alpha, width_buckets
     )
@@ -119,6 +117,8 @@ def resolve_worker_profile(
         tp_size=int(server_args.tp_size),
         engine="sglang",
         draft_model_path=server_args.speculative_draft_model_path,
+        settings=serving_settings(server_args, dtype, device, config.synthetic_acceptance is not None),
+        sglang_version=installed_version("sglang"),
     )
     spec = "auto" if config.profile_path is None else config.profile_path
     store = ProfileStore.locate(None)
@@ -126,49 +126,29 @@ def resolve_worker_profile(
     why = None
     if startup is not None:
         why = needs_startup_calibration(
-            config.startup_calibration,
-            resolved,
-            config.profile_path is not None,
-            config.policy.may_decline,
-            drafter_hash(server_args.speculative_draft_model_path),
+            config.startup_calibration, resolved, config.profile_path is not None, config.policy.may_decline
         )
     if why is not None and startup is not None:
         resolved = startup.run(identity, store, why)
+    logger.info("BASTION: %s", resolved.reason)
     for warning in resolved.warnings:
         logger.warning("BASTION: %s", warning)
     return resolved
 
 
-def drafter_hash(draft_model_path: str | None) -> str | None:
-    """The drafter's config hash, None without a drafter path or for a hub id not in the local cache."""
-    try:
-        return model_config_hash(draft_model_path) if draft_model_path else None
-    except ValueError:
-        return None
-
-
-def worker_acceptance(
-    resolved: ResolvedProfile, draft_model_path: str | None
-) -> AcceptanceCalibration | None:
-    """The profile's acceptance calibration when it fits this drafter (else None, with a warning logged)."""
-    return planning_acceptance(resolved, draft_model_path, lattice_drafts=False)
-
-
-def planning_acceptance(
-    resolved: ResolvedProfile, draft_model_path: str | None, lattice_drafts: bool
-) -> AcceptanceCalibration | None:
-    """The acceptance calibration the worker plans with: the profile's when it was fitted for this drafter
-    (its config hash, `lookup.resolve_acceptance`), else None with a warning logged. A DFlash2 drafter
-    (lattice_drafts) plans on its calibrated transitions (`lattice_plan`; the map a DFlash2 profile holds
-    is fitted on lattice records, and a DFlash2 drafter's config hash is not its DFlash base's)."""
-    calibration, warnings = resolve_acceptance(resolved, drafter_hash(draft_model_path))
+def planning_acceptance(resolved: ResolvedProfile, lattice_drafts: bool) -> AcceptanceCalibration | None:
+    """The acceptance calibration the worker plans with: the map of the stored profile measured with this
+    drafter (its weights hash, `lookup.resolve_acceptance`), else None (with a warning logged when the
+    latency profile holds another drafter's map). A DFlash2 drafter (lattice_drafts) plans on its
+    calibrated transitions (`lattice_plan`; the map a DFlash2 profile holds is fitted on lattice records)."""
+    calibration, warnings = resolve_acceptance(resolved)
     for warning in warnings:
         logger.warning("BASTION: %s", warning)
     if calibration is not None:
         logger.info(
             "BASTION: planning %s with the acceptance calibration of %s",
             "the DFlash2 drafter's lattices" if lattice_drafts else "the drafter's top-K",
-            resolved.path,
+            resolved.acceptance_path,
         )
     elif lattice_drafts:
         logger.info(
@@ -227,7 +207,7 @@ def worker_step_controller(
         horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
         acceptance=None
         if config.synthetic_acceptance is not None
-        else planning_acceptance(resolved, server_args.speculative_draft_model_path, lattice_drafts),
+        else planning_acceptance(resolved, lattice_drafts),
         branching=config.branching,
         device=device,
         metrics=metrics,
