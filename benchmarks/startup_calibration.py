@@ -2,6 +2,7 @@
 
     python benchmarks/startup_calibration.py --calibrate-profile P.json --out startup.json [--mode quick]
         [--model-path M] [--draft-model-path D] [--held-out-prompts mtbench] [--held-out-num 24]
+        [--cuda-graphs]
 
 Steps (the demo pair by default, fp32, the CPU's torch_native backend or triton on CUDA):
 1. Start-up time: an `sglang.Engine` with `--bastion-startup-calibration off`, then one with the mode over an
@@ -9,9 +10,13 @@ Steps (the demo pair by default, fp32, the CPU's torch_native backend or triton 
    return (the server is ready), each once, in that order. Added: the second minus the first; the third
    shows a reuse adds no sweep.
 2. Latency: the start-up profile's model predicts every verify and plain decode sample of the given
-   `bastion calibrate` profile (a separate, wider grid: whole widths and contexts the start-up never
-   measured); its MAPE there against the calibrate profile's own leave-one-width-out and
-   leave-one-context-out MAPE (the issue's bound: at most 1.5 times).
+   `bastion calibrate` profile (a separate, wider grid); its MAPE there against the calibrate profile's own
+   leave-one-width-out and leave-one-context-out MAPE (the bound: at most 1.5 times), and split by what the
+   start-up measured (`latency_splits`): samples at widths and contexts it measured, at a measured width
+   but another context, at a measured context but another width, and at neither (plain decode: measured
+   contexts or not). Like with like: `bastion calibrate` times verify passes eagerly, so the servers run
+   eagerly too (on CUDA as well) unless --cuda-graphs is given, and a start-up profile measured on graph
+   replays is not scored against an eager one (the report says so instead).
 3. Acceptance: the reference engine decodes held-out prompts of another prompt set than the start-up's
    (greedy, fixed trees of 16 nodes); every drafter pass is scored with the start-up's acceptance map, and
    with the calibrate profile's when it has one: expected against realised accept length at 1, 4, 16 and
@@ -54,13 +59,24 @@ class StartTimes(BaseModel):
     added_seconds: float
 
 
+class LatencySplit(BaseModel):
+    """The start-up fit's MAPE on the calibrate samples of one kind (`latency_splits`)."""
+
+    mode: str  # verify or decode
+    kind: str  # measured, width measured, context measured, neither measured
+    samples: int
+    mape: float | None  # None without samples
+
+
 class LatencyQuality(BaseModel):
-    startup_mape_on_calibrate_grid: float
+    compared: str  # "eager vs eager", "graphs vs graphs", or why nothing was compared
+    startup_mape_on_calibrate_grid: float | None
     startup_decode_mape_on_calibrate_grid: float | None
     calibrate_leave_width_out_mape: float | None
     calibrate_leave_context_out_mape: float | None
     ratio_to_worst_leave_out: float | None
     calibrate_samples: int
+    splits: list[LatencySplit]
 
 
 class AcceptanceRow(BaseModel):
@@ -85,8 +101,9 @@ class Report(BaseModel):
     acceptance: list[AcceptanceRow]
 
 
-def engine_ready_seconds(model: str, drafter: str, mode: str, device: str) -> float:
-    """Seconds an `sglang.Engine` of the pair takes to start with start-up calibration `mode`."""
+def engine_ready_seconds(model: str, drafter: str, mode: str, device: str, cuda_graphs: bool) -> float:
+    """Seconds an `sglang.Engine` of the pair takes to start with start-up calibration `mode` (CUDA graphs
+    only on CUDA with `cuda_graphs`)."""
     import sglang
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
@@ -101,7 +118,7 @@ def engine_ready_seconds(model: str, drafter: str, mode: str, device: str) -> fl
         device=device,
         attention_backend=CHOSEN_BACKENDS[device],
         dtype="float32",
-        disable_cuda_graph=device == "cpu",
+        disable_cuda_graph=device == "cpu" or not cuda_graphs,
         max_total_tokens=16384,
         mem_fraction_static=0.1 if device == "cpu" else None,
         random_seed=0,
@@ -120,22 +137,81 @@ def mape(pairs: list[tuple[float, float]]) -> float:
     return statistics.fmean(abs(p - o) / o for p, o in pairs)
 
 
-def latency_quality(startup: CalibrationProfile, calibrate: CalibrationProfile) -> LatencyQuality:
+def latency_splits(startup: CalibrationProfile, calibrate: CalibrationProfile) -> list[LatencySplit]:
+    """The start-up fit's MAPE on the calibrate profile's samples, split by what the start-up measured:
+    verify samples at a (width, context) both of its grid, at one of its widths but another context, at one
+    of its contexts but another width, at neither; plain decode samples at its contexts or not."""
     model = startup.latency_model()
-    verify = [(model.predict(x.s, x.c), x.seconds) for x in calibrate.samples if x.mode == "verify"]
-    decode = [(model.predict_plain(x.c), x.seconds) for x in calibrate.samples if x.mode == "decode"]
+    widths = {x.s for x in startup.samples if x.mode == "verify"}
+    contexts = {x.c for x in startup.samples if x.mode == "verify"}
+    decode_contexts = {x.c for x in startup.samples if x.mode == "decode"}
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {
+        key: []
+        for key in (
+            ("verify", "measured"),
+            ("verify", "width measured"),
+            ("verify", "context measured"),
+            ("verify", "neither measured"),
+            ("decode", "measured"),
+            ("decode", "neither measured"),
+        )
+    }
+    for x in calibrate.samples:
+        if x.mode == "decode":
+            kind = "measured" if x.c in decode_contexts else "neither measured"
+            groups["decode", kind].append((model.predict_plain(x.c), x.seconds))
+            continue
+        kind = {
+            (True, True): "measured",
+            (True, False): "width measured",
+            (False, True): "context measured",
+            (False, False): "neither measured",
+        }[x.s in widths, x.c in contexts]
+        groups["verify", kind].append((model.predict(x.s, x.c), x.seconds))
+    return [
+        LatencySplit(mode=mode, kind=kind, samples=len(pairs), mape=mape(pairs) if pairs else None)
+        for (mode, kind), pairs in groups.items()
+    ]
+
+
+def graphs_words(profile: CalibrationProfile) -> str:
+    """'graphs' or 'eager': how a profile's verify passes ran ('eager' where it records no settings:
+    `bastion calibrate` and the reference engine time eagerly)."""
+    settings = profile.metadata.settings
+    return "graphs" if settings is not None and settings.cuda_graphs else "eager"
+
+
+def latency_quality(startup: CalibrationProfile, calibrate: CalibrationProfile) -> LatencyQuality:
     leave = calibrate.leave_out
     widths = None if leave is None else leave.mape_widths
     contexts = None if leave is None else leave.mape_contexts
+    verify_samples = len([x for x in calibrate.samples if x.mode == "verify"])
+    ours, theirs = graphs_words(startup), graphs_words(calibrate)
+    if ours != theirs:
+        return LatencyQuality(
+            compared=f"not compared: the start-up timed {ours} passes, the calibrate profile {theirs}",
+            startup_mape_on_calibrate_grid=None,
+            startup_decode_mape_on_calibrate_grid=None,
+            calibrate_leave_width_out_mape=widths,
+            calibrate_leave_context_out_mape=contexts,
+            ratio_to_worst_leave_out=None,
+            calibrate_samples=verify_samples,
+            splits=[],
+        )
+    model = startup.latency_model()
+    verify = [(model.predict(x.s, x.c), x.seconds) for x in calibrate.samples if x.mode == "verify"]
+    decode = [(model.predict_plain(x.c), x.seconds) for x in calibrate.samples if x.mode == "decode"]
     worst = max((v for v in (widths, contexts) if v is not None), default=None)
-    ours = mape(verify)
+    overall = mape(verify)
     return LatencyQuality(
-        startup_mape_on_calibrate_grid=ours,
+        compared=f"{ours} vs {theirs}",
+        startup_mape_on_calibrate_grid=overall,
         startup_decode_mape_on_calibrate_grid=mape(decode) if decode else None,
         calibrate_leave_width_out_mape=widths,
         calibrate_leave_context_out_mape=contexts,
-        ratio_to_worst_leave_out=None if not worst else ours / worst,
-        calibrate_samples=len(verify),
+        ratio_to_worst_leave_out=None if not worst else overall / worst,
+        calibrate_samples=verify_samples,
+        splits=latency_splits(startup, calibrate),
     )
 
 
@@ -196,6 +272,11 @@ def main() -> None:
     parser.add_argument("--draft-model-path", default=str(DEMO_DRAFTER))
     parser.add_argument("--held-out-prompts", default="mtbench", help="prompt set scored for acceptance")
     parser.add_argument("--held-out-num", type=int, default=24)
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="servers replay CUDA graphs (their latency is then not compared with calibrate's eager grid)",
+    )
     args = parser.parse_args()
     if args.model_path is None:
         from bastion_sglang.demo.target import setup_demo_target
@@ -206,9 +287,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         store = ProfileStore(Path(folder) / "store")
         os.environ[STORE_ENV] = str(store.root)
-        off = engine_ready_seconds(args.model_path, args.draft_model_path, "off", device)
-        calibrating = engine_ready_seconds(args.model_path, args.draft_model_path, args.mode, device)
-        reusing = engine_ready_seconds(args.model_path, args.draft_model_path, args.mode, device)
+        off, calibrating, reusing = (
+            engine_ready_seconds(args.model_path, args.draft_model_path, mode, device, args.cuda_graphs)
+            for mode in ("off", args.mode, args.mode)
+        )
         entries = store.list_profiles()
         if len(entries) != 1 or entries[0].profile is None:
             raise SystemExit(f"expected one start-up profile in {store.root}, found {len(entries)}")
@@ -241,12 +323,19 @@ def main() -> None:
         f"start-up: off {off:.1f} s, {args.mode} over an empty store {calibrating:.1f} s "
         f"(+{times.added_seconds:.1f} s), reusing the stored profile {reusing:.1f} s"
     )
-    print(
-        f"latency: start-up fit MAPE {latency.startup_mape_on_calibrate_grid:.1%} on calibrate's "
-        f"{latency.calibrate_samples} verify samples; calibrate's own leave-out MAPE widths "
-        f"{latency.calibrate_leave_width_out_mape}, contexts {latency.calibrate_leave_context_out_mape}; "
-        f"ratio to the worse {latency.ratio_to_worst_leave_out}"
-    )
+    if latency.startup_mape_on_calibrate_grid is None:
+        print(f"latency: {latency.compared}")
+    else:
+        print(
+            f"latency ({latency.compared}): start-up fit MAPE {latency.startup_mape_on_calibrate_grid:.1%} "
+            f"on calibrate's {latency.calibrate_samples} verify samples; calibrate's own leave-out MAPE "
+            f"widths {latency.calibrate_leave_width_out_mape}, contexts "
+            f"{latency.calibrate_leave_context_out_mape}; ratio to the worse "
+            f"{latency.ratio_to_worst_leave_out}"
+        )
+    for split in latency.splits:
+        error = "-" if split.mape is None else f"{split.mape:.1%}"
+        print(f"  {split.mode} at {split.kind} by the start-up: MAPE {error} over {split.samples} samples")
     print(f"acceptance on {report.acceptance_passes} held-out passes ({args.held_out_prompts}):")
     for row in rows:
         theirs = "" if row.calibrate_error is None else f", calibrate's map {row.calibrate_error:+.1%}"
