@@ -19,8 +19,8 @@ what its shallower neighbour's correction predicts, r_d = (R_d + k·r_{d-1}·c_{
 no events takes the conditional correction of the deepest depth above it that has some (a drafter found
 three times better than mapped at depth 5 is taken to be at depth 6 too, until depth 6 says otherwise), so a
 map fitted where trees were shallow does not keep the deeper depths at its guess, and one with a few events
-moves by what they say. The ratio is measured against the BASE scores (computed beside the shifted ones), so the estimate
-is open loop: what the online map did to the trees does not feed back into it.
+moves by what they say. The ratio is measured against the BASE scores (computed beside the shifted ones), so
+the estimate is open loop: what the online map did to the trees does not feed back into it.
 
 What it does not see. Events come only from depths the trees reach; a depth priced too low to be verified
 keeps its start-up map until a probe or a deeper tree verifies it (the gate's probes verify whole trees).
