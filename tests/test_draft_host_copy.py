@@ -33,6 +33,7 @@ from bastion_sglang.controller.lattice_tree import (
     build_lattice_trees,
     lattice_chain,
     selector_logprobs,
+    weight_by_candidate_mass,
 )
 from bastion_sglang.controller.policies import FixedPolicy
 from bastion_sglang.controller.profile import StepCosts
@@ -184,8 +185,13 @@ def test_a_plan_reads_the_draft_to_the_host_once(
         want = build_trees(calibrated, draft.token_ids, 16)
         rows = [want.row(b) for b in range(batch)]
     else:
-        transitions = draft.transitions if acceptance is None else acceptance.apply(draft.transitions)
-        rows = [build_lattice_tree(transitions[b], draft.unary.token_ids[b], 16) for b in range(batch)]
+        raw = draft.transitions  # planned on the weighted raw transitions or the calibrated ones, ties by raw
+        weighted = weight_by_candidate_mass(raw, draft.unary.logprobs)
+        transitions = weighted if acceptance is None else acceptance.apply(raw)
+        rows = [
+            build_lattice_tree(transitions[b], draft.unary.token_ids[b], 16, ties=raw[b])
+            for b in range(batch)
+        ]
     for b, tree in enumerate(rows):
         for field in ("tokens", "parents", "depths", "log_scores"):
             assert torch.equal(getattr(trees.row(b), field), getattr(tree, field)), field
@@ -269,8 +275,9 @@ def raw_accept_by_device_scores(planned: StepPlan) -> list[float]:
     trees under the drafter's device draft, exp, cumsum, copied back."""
     trees, counts = planned.trees, planned.plan.node_counts
     if planned.lattice is not None:
-        lattice = planned.lattice
-        transitions, ids = lattice.transitions, lattice.unary.token_ids
+        lattice = planned.lattice  # the raw metric sums the raw transitions weighted by in-candidate mass
+        transitions = weight_by_candidate_mass(lattice.transitions, lattice.unary.logprobs)
+        ids = lattice.unary.token_ids
         scores = lattice_node_log_scores(trees.tokens, trees.parents, trees.depths, transitions, ids)
     else:
         scores = node_log_scores(
