@@ -14,7 +14,8 @@ BASTION runs without overlap and matches that run. One reference Engine, then on
   (the kernel test checks combinations in every order against SGLang's penalizers);
 - stop strings with penalties (a batch of 4, the stop cut from the reference's penalised texts);
 - structured outputs: json_schema and regex (a batch of 4, two with penalties), and on each BASTION Engine
-  the same grammars sampled at T = 0.8 (seeded, a batch of 4): every output completes its grammar.
+  the same grammars sampled at T = 0.8 (seeded, a batch of 4): every output completes its grammar; and
+  one prompt under four seeds gives four outputs (engine_support's seed probe).
 A parameter BASTION cannot honour exactly (custom_logit_processor) is refused per request with SGLang's
 error (a ValueError naming the parameter from `Engine.generate`), and the Engine keeps serving: the next
 request equals the reference. The BASTION Engines allow hidden states (`--enable-return-hidden-states`, which
@@ -33,7 +34,14 @@ from typing import Any
 
 import pytest
 import sglang
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
 from bastion_sglang.integration.request_support import REFUSAL_PREFIX
@@ -136,6 +144,7 @@ class Run:
     stop: list[tuple[list[int], str]]
     structured: list[tuple[list[int], str]]
     sampled: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (text, finish reason type)
+    probe: list[list[int]] = dataclasses.field(default_factory=list)  # engine_support.seed_probe's outputs
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +185,13 @@ def _run(engine: Any, derived: Derived, sampled: bool = False) -> Run:
     stop = engine.generate(input_ids=PROMPTS[1:3], sampling_params=stop_params(derived))
     structured = engine.generate(input_ids=PROMPTS[4:8], sampling_params=STRUCTURED)
     outputs = engine.generate(input_ids=PROMPTS[:4], sampling_params=SAMPLED) if sampled else []
+    probe = seed_probe(engine) if sampled else []
     return Run(
         mixed=[out["output_ids"] for out in mixed],
         stop=[(out["output_ids"], out["text"]) for out in stop],
         structured=[(out["output_ids"], out["text"]) for out in structured],
         sampled=[(out["text"], out["meta_info"]["finish_reason"]["type"]) for out in outputs],
+        probe=probe,
     )
 
 
@@ -295,6 +306,12 @@ def test_sampled_structured_outputs_complete_their_grammar(bastion: tuple[str, R
             assert set(value) == {"name", "ok"}, f"{name}: {text!r}"
             assert isinstance(value["name"], str) and len(value["name"]) <= 8, f"{name}: {text!r}"
             assert isinstance(value["ok"], bool), f"{name}: {text!r}"
+
+
+def test_sampling_samples(bastion: tuple[str, Run, dict[str, str]]) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    _, run, _ = bastion
+    assert_seeds_sample(run.probe)
 
 
 def test_unsupported_parameters_are_refused_per_request(bastion: tuple[str, Run, dict[str, str]]) -> None:
