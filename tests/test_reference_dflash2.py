@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.lattice_acceptance import LatticeRecord
-from bastion_sglang.controller.lattice_tree import lattice_chain
+from bastion_sglang.controller.lattice_tree import build_lattice_tree, lattice_chain, weight_by_candidate_mass
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.reference import DraftInput, ReferenceEngine
@@ -223,8 +223,11 @@ def test_a_calibrated_dflash2_engine_plans_calibrated_trees_and_stays_exact(targ
     first, first_raw = result.steps[0], plain.steps[0]
     assert first.lattice is not None and first_raw.lattice is not None
     assert torch.equal(first.lattice.transitions, first_raw.lattice.transitions)  # the same drafter pass
-    record = LatticeRecord(first.lattice.transitions[0], first.lattice.unary.token_ids[0], ())
-    tree, raw_tree = record.tree(calibration, 8), record.tree(None, 8)
+    transitions, ids = first.lattice.transitions[0], first.lattice.unary.token_ids[0]
+    tree = LatticeRecord(transitions, ids, ()).tree(calibration, 8)
+    # without a calibration the engine plans on the transitions weighted by in-candidate mass, ties by raw
+    weighted = weight_by_candidate_mass(transitions, first.lattice.unary.logprobs[0])
+    raw_tree = build_lattice_tree(weighted, ids, 8, ties=transitions)
     assert not torch.equal(tree.depths, raw_tree.depths)
     assert first.expected_accept == pytest.approx(1.0 + torch.exp(tree.log_scores).sum().item(), rel=1e-5)
     assert first_raw.expected_accept == pytest.approx(
