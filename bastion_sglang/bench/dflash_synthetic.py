@@ -20,11 +20,14 @@ commits as always. Three wraps, installed in the scheduler process (`install`):
 
 Only the drafter's plain greedy head is covered: a DFlash2 drafter's selector or a LiLiCorr head drafts
 elsewhere and the accept stage then finds no candidates (RuntimeError). Tensor parallelism and added
-vocabulary rows are refused the same way.
+vocabulary rows are refused the same way. On CUDA SGLang folds the greedy head into the drafter's CUDA graph,
+where no wrap reaches it; the seam keeps it eager (SGLang's own `SGLANG_DFLASH_EAGER_DRAFT_SAMPLER`), so a
+`dflash` step under synthetic acceptance launches the head's matmul and top-k outside that graph.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,8 @@ from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile, lo
 
 WORKER = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
 WRAPPED = ("forward_batch_generation", "_greedy_sample_from_vocab_parallel_head", "_accept_block")
+EAGER_HEAD_ENV = "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER"
+"""SGLang's switch keeping DFLASH's draft greedy head out of the drafter's CUDA graph."""
 KEY_ATTR = "_bastion_bench_truth_key"
 """Req attribute caching the request's walk key (int64 as a Python int)."""
 
@@ -168,6 +173,7 @@ def install(profile_path: str | Path) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     _TRUTH = DflashTruth(load_synthetic_profile(Path(profile_path)))
+    os.environ[EAGER_HEAD_ENV] = "1"  # read when the worker builds its draft graphs, after this install
     hooks = (forward_with_keys, draft_head_with_candidates, accept_on_truth)
     targets = [f"{WORKER}.{name}" for name in WRAPPED]
     for target, hook in zip(targets, hooks, strict=True):
