@@ -78,7 +78,9 @@ def serve_policy(
         # The Engine set this process's root logger to its own level and format; restore the command's.
         logging.basicConfig(level=log_level, format=LOG_FORMAT, force=True)
         logging.getLogger("sglang").setLevel(plan.sglang_log_level.upper())
-        stream_batch(engine, plan.prompt_ids[:1], [{"temperature": 0.0, "max_new_tokens": WARMUP_TOKENS}])
+        # greedy, seeded and of a fixed length: every policy serves it (synthetic acceptance refuses others)
+        first = {"temperature": 0.0, "max_new_tokens": WARMUP_TOKENS, "ignore_eos": True}
+        stream_batch(engine, plan.prompt_ids[:1], [first | {"sampling_seed": plan.settings.seed}])
         conn.send(time.perf_counter() - began)
         while (command := conn.recv()) is not None:
             began = time.perf_counter()
