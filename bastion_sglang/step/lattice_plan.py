@@ -25,9 +25,7 @@ candidates as a miss already.
 
 from __future__ import annotations
 
-from bastion_sglang.controller.gate import DraftedStep, horizon_gain
 from bastion_sglang.controller.lattice_tree import build_lattice_trees, weight_by_candidate_mass
-from bastion_sglang.controller.policies import plan_batch
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.step.step_controller import StepController, StepPlan, StepStart
 
@@ -55,17 +53,5 @@ def plan_lattice(
         trees = build_lattice_trees(weighted, ids, budget, branching, ties=raw)
     else:  # the weighted raw transitions scored beside the calibrated trees, for the raw Â metric
         trees = build_lattice_trees(acceptance.apply(raw), ids, budget, branching, raw=weighted, ties=raw)
-    scales = controller.acceptance_tracker.corrections(step.greedy)
-    plan = plan_batch(
-        trees,
-        step.contexts,
-        controller.latency,
-        step.costs(),
-        controller.policy,
-        accept_scale=scales,
-        allow_plain=not controller.gate.verifies_probe,
-    )
-    controller.gate.record(plan.speculative_speedup)
-    gain = horizon_gain(trees, int(lattice.transitions.shape[1]), controller.horizon.depth, scales)
-    controller.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
+    plan, scales = controller.plan_trees(step, trees, int(lattice.transitions.shape[1]))
     return StepPlan(plan, trees, lattice.unary, scales, lattice)

@@ -320,6 +320,15 @@ class StepController:
         # the raw log-probs are scored beside calibrated trees, for the raw Â metric
         raw = None if planned is top.logprobs else top.logprobs
         trees = build_trees_auto_unchecked(planned, top.token_ids, self.budget, raw=raw)
+        plan, scales = self.plan_trees(step, trees, int(top.logprobs.shape[1]))
+        return StepPlan(plan, trees, top, scales, reach=self._base_reach(trees, base, top, plan.node_counts))
+
+    def plan_trees(
+        self, step: StepStart, trees: DraftTreeBatch, drafted: int
+    ) -> tuple[BatchPlan, list[float]]:
+        """The batch plan of this step's best-first trees (top-K or lattice) and the acceptance corrections
+        it used; the gate and the evidence record its speculative speedup and accept curve. drafted: the
+        positions the drafter scored (the horizon the trees were built within)."""
         scales = self.acceptance_tracker.corrections(step.greedy)
         plan = plan_batch(
             trees,
@@ -333,9 +342,9 @@ class StepController:
             allow_plain=not self.gate.verifies_probe,
         )
         self.gate.record(plan.speculative_speedup)
-        gain = horizon_gain(trees, int(top.logprobs.shape[1]), self.horizon.depth, scales)
+        gain = horizon_gain(trees, drafted, self.horizon.depth, scales)
         self.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
-        return StepPlan(plan, trees, top, scales, reach=self._base_reach(trees, base, top, plan.node_counts))
+        return plan, scales
 
     def _base_reach(
         self, trees: DraftTreeBatch, base: torch.Tensor, top: DraftTopK, counts: Sequence[int]
