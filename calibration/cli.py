@@ -3,7 +3,7 @@ profile.
 
     bastion calibrate --model-path M --draft-model-path D [--engine sglang|reference] [--device cuda|cpu]
         [--attention-backend B] [--tp N] [--max-context C] [--max-width W] [--widths S ...]
-        [--repeats R] [--warmup R] [--dtype D] [--store DIR] [--out PATH]
+        [--batches B ...] [--repeats R] [--warmup R] [--dtype D] [--store DIR] [--out PATH]
 
 Steps: measure the device's peak matmul FLOP/s and copy bandwidth (printed next to its KNOWN_GPUS entry);
 load the engine; measure the verify grid and plain decode at every context (`sweep`), fit the latency model
@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 HELP = "Measure verify and plain decode latency on this device, fit the latency model, store a profile."
 
+DEFAULT_BATCHES = (2, 4, 8, 16, 32, 64)
+"""Requests per verify pass the sglang engine measures besides 1 by default."""
 DEFAULT_MAX_WIDTH = 1025
 """Widest verify pass measured by default: the server's largest budget (1024 nodes) plus the root."""
 DEFAULT_MAX_CONTEXT = 8192
@@ -80,6 +82,8 @@ EPILOG = """defaults (each logged when taken):
   torch_native (sglang on CPU: the only one there).
 - --dtype: the dtype the target's config.json declares (an error when it declares none).
 - --max-width: 1025, the widest verify pass the server accepts (--bastion-max-budget 1024, plus the root).
+- --batches: 2 4 8 16 32 64 with --engine sglang (a server verifies many requests' trees in one pass); the
+  reference engine measures one request.
 - the store: --store, else $BASTION_PROFILE_STORE, else ~/.cache/bastion-sglang/profiles.
 """
 
@@ -108,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--widths", type=int, nargs="+", help="explicit verify widths (overrides --max-width)"
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="requests per verify pass to measure besides 1, at the smallest context (--engine sglang; "
+        "widths up to 2048 tokens a pass); default 2 4 8 16 32 64 with --engine sglang, none with reference",
     )
     parser.add_argument(
         "--repeats",
@@ -253,7 +264,11 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
             )
     widths = check_widths(args.widths) if args.widths else width_grid(args.max_width)
     settings = SweepSettings(
-        widths=widths, contexts=context_grid(args.max_context), warmup=args.warmup, repeats=args.repeats
+        widths=widths,
+        contexts=context_grid(args.max_context),
+        warmup=args.warmup,
+        repeats=args.repeats,
+        batches=batch_sizes(args.batches, engine),
     )
     out = Path(args.out) if args.out else None
     acceptance = (
@@ -279,6 +294,23 @@ def plan_from_args(args: argparse.Namespace) -> CalibrationPlan:
         acceptance=acceptance,
         load_format=args.load_format,
     )
+
+
+def batch_sizes(asked: list[int] | None, engine: Engine) -> tuple[int, ...]:
+    """The grid's batch sizes: 1 and --batches (default DEFAULT_BATCHES with the sglang engine, none with the
+    reference engine, which measures one request). ValueError for a batch < 1 or batches on the reference
+    engine."""
+    if asked is None:
+        return (1, *DEFAULT_BATCHES) if engine == "sglang" else (1,)
+    if any(b < 1 for b in asked):
+        raise ValueError(f"--batches must be ints >= 1, got {asked}")
+    batches = tuple(sorted({1, *asked}))
+    if engine != "sglang" and batches != (1,):
+        raise ValueError(
+            f"--batches {' '.join(map(str, asked))} needs --engine sglang (the reference engine "
+            "measures one request)"
+        )
+    return batches
 
 
 @dataclass(frozen=True)
@@ -319,12 +351,14 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         attention_backend=plan.attention_backend,
         max_context=plan.max_context,
         max_width=settings.widths[-1],
+        max_batch=settings.batches[-1],
         load_format=plan.load_format,
     )
     logger.info(
-        "verify grid: widths %s × contexts %s, %d warm-up and %d timed runs per point",
+        "verify grid: widths %s × contexts %s, batches %s, %d warm-up and %d timed runs per point",
         list(settings.widths),
         list(settings.contexts),
+        list(settings.batches),
         settings.warmup,
         settings.repeats,
     )

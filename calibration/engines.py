@@ -80,6 +80,11 @@ class ReferenceMeasurement:
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def max_batch(self) -> int:
+        """1: the reference engine's slot cache holds one request."""
+        return 1
+
     def vocab_size(self) -> int:
         return self._vocab
 
@@ -89,9 +94,11 @@ class ReferenceMeasurement:
         return int(self._committed.shape[0]) - 1
 
     @torch.no_grad()
-    def set_context(self, context: int) -> None:
+    def set_context(self, context: int, batch: int = 1, width: int | None = None) -> None:
         from bastion_sglang.reference import DraftInput
 
+        if batch != 1:
+            raise ValueError(f"the reference engine measures one request at a time, not {batch}")
         if not 1 <= context < self._capacity:
             raise ValueError(f"context {context} does not fit the KV cache of {self._capacity} tokens")
         self._committed = random_context(context, self._vocab, self._device)
@@ -135,11 +142,13 @@ def open_engine(
     attention_backend: str,
     max_context: int,
     max_width: int,
+    max_batch: int = 1,
     load_format: str = "auto",
 ) -> MeasurementEngine:
-    """Load the models of `engine` on `device`, sized for contexts up to max_context tokens and verify
-    passes up to max_width tokens. load_format: SGLang's (`dummy`: the target's weights random, from its
-    config.json alone); the reference engine reads the weights (ValueError for any other value)."""
+    """Load the models of `engine` on `device`, sized for contexts up to max_context tokens, verify
+    passes up to max_width tokens and (sglang) batched passes of up to max_batch requests. load_format:
+    SGLang's (`dummy`: the target's weights random, from its config.json alone); the reference engine reads
+    the weights (ValueError for any other value)."""
     if engine == "reference":
         if load_format != "auto":
             raise ValueError(f"--load-format {load_format} needs --engine sglang (SGLang's loader)")
@@ -163,6 +172,7 @@ def open_engine(
             attention_backend=attention_backend,
             max_context=max_context,
             max_width=max_width,
+            max_batch=max_batch,
             load_format=load_format,
         )
     raise ValueError(f"unknown engine {engine!r}; expected 'reference' or 'sglang'")

@@ -2,10 +2,12 @@
 worker does: the runner `sglang_runner.open_sglang_measurement` builds for `bastion calibrate`, or a starting
 server's own (`startup`).
 
-- context: a prefill of c random tokens through SGLang's benchmark `extend` (sglang.benchmark.one_batch);
+- context: a prefill of B requests of the same c random tokens through SGLang's benchmark `extend`
+  (sglang.benchmark.one_batch), each with its own KV slots;
 - verify: `spec_input.prepare_verify_forward` with `kernels.flat_custom_mask` (forward batch and attention
-  metadata, the worker's own preparation), then `ModelRunner.forward`, timed from the preparation on;
-- decode (L_AR): a DECODE forward of one token at position c, greedy pick;
+  metadata, the worker's own preparation) over the B requests' rows, then `ModelRunner.forward`, timed from
+  the preparation on;
+- decode (L_AR): a DECODE forward of one token per request at position c, greedy pick;
 - T_draft: the reference engine's DFlash drafter (`bastion_sglang.reference.drafter`) on the same device,
   reading the SGLang target's embedding and LM head weights; its context K/V come from random features
   (values do not change the cost). The worker drafts through SGLang's DFlash draft runner instead, which has
@@ -59,24 +61,24 @@ class SglangMeasurement:
         dtype: torch.dtype,
         max_width: int,
         owns_runtime: bool,
-        verify_context: Callable[[int], AbstractContextManager[None]] | None = None,
+        verify_context: Callable[[int, int], AbstractContextManager[None]] | None = None,
     ) -> None:
         """Measure on `runner`, a target ModelRunner of a BASTION deployment whose KV pools hold nothing else
         while the measurement runs (`open` builds one; a starting server passes its own). owns_runtime:
         whether `close` tears SGLang's process groups down (True) or only empties the KV pools (False).
-        verify_context: given a verify width, the context its pass runs in (a serving worker's captured graph
-        of that width, `TargetForward.verify_graph`); None: every pass eagerly."""
+        verify_context: given a verify width and batch size, the context its pass runs in (a serving worker's
+        captured graph of that width, `TargetForward.verify_graph`); None: every pass eagerly."""
         self._runner = runner
         self._device = torch.device(device)
         self._max_width = max_width
         self._owns_runtime = owns_runtime
-        self._verify_context = verify_context or (lambda width: nullcontext())
+        self._verify_context = verify_context or (lambda width, batch: nullcontext())
         self._vocab = int(runner.model_config.vocab_size)
         self._batch: ScheduleBatch | None = None
         self._context = 0
-        self._slots = torch.empty(0, dtype=torch.int64, device=self._device)  # [max_width] verify KV slots
-        self._prefix = torch.zeros(1, dtype=torch.int64, device=self._device)  # [1] committed tokens
-        self._prefix_cpu = torch.zeros(1, dtype=torch.int64)  # [1] host copy
+        self._slots = torch.empty((1, 0), dtype=torch.int64, device=self._device)  # [B, max_width] KV slots
+        self._prefix = torch.zeros(1, dtype=torch.int64, device=self._device)  # [B] committed tokens
+        self._prefix_cpu = torch.zeros(1, dtype=torch.int64)  # [B] host copy
         self._committed = torch.zeros(1, dtype=torch.int64, device=self._device)  # [context + 1] tokens
         self._no_features = torch.empty(0)  # [0, F·h] drafter features: nothing new to ingest
         self._proposer = _drafter_on_target(draft_path, runner, self._vocab, self._device, dtype)
@@ -84,6 +86,11 @@ class SglangMeasurement:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def max_batch(self) -> int:
+        """Requests the runner's request pool holds."""
+        return int(self._runner.req_to_token_pool.size)
 
     def vocab_size(self) -> int:
         return self._vocab
@@ -94,7 +101,7 @@ class SglangMeasurement:
         return self._proposer.depth
 
     @torch.no_grad()
-    def set_context(self, context: int) -> None:
+    def set_context(self, context: int, batch: int = 1, width: int | None = None) -> None:
         from sglang.benchmark.one_batch import extend, prepare_synthetic_inputs_for_latency_test
 
         from bastion_sglang.step.draft_protocols import DraftInput
@@ -104,15 +111,17 @@ class SglangMeasurement:
         runner.token_to_kv_pool_allocator.clear()
         generator = np.random.default_rng(CONTEXT_SEED)
         tokens = generator.integers(0, self._vocab, context + 1).tolist()
-        reqs = prepare_synthetic_inputs_for_latency_test(1, context, custom_inputs=[tokens[:context]])
-        _, _, batch = extend(reqs, runner)
-        slots = extend_slots(runner, batch.req_pool_indices.tolist(), [context], self._max_width)
+        reqs = prepare_synthetic_inputs_for_latency_test(
+            batch, context, custom_inputs=[tokens[:context]] * batch
+        )
+        _, _, prefilled = extend(reqs, runner)
+        width = self._max_width if width is None else width
+        slots = extend_slots(runner, prefilled.req_pool_indices.tolist(), [context] * batch, width)
         if slots is None:
-            raise ValueError(f"SGLang's KV pool cannot hold {context} + {self._max_width} tokens")
-        slots = slots[0]
-        self._batch, self._context, self._slots = batch, context, slots.to(torch.int64)
-        self._prefix = batch.seq_lens.clone()
-        self._prefix_cpu = batch.seq_lens_cpu.clone()
+            raise ValueError(f"SGLang's KV pool cannot hold {batch} requests of {context} + {width} tokens")
+        self._batch, self._context, self._slots = prefilled, context, slots
+        self._prefix = prefilled.seq_lens.clone()
+        self._prefix_cpu = prefilled.seq_lens_cpu.clone()
         self._committed = torch.tensor(tokens, dtype=torch.int64, device=self._device)
         self._proposer.start(context + 1)
         features_generator = torch.Generator(device=self._device).manual_seed(CONTEXT_SEED)
@@ -146,9 +155,9 @@ class SglangMeasurement:
         from bastion_sglang.step.spec_input import prepare_verify_forward
 
         batch = self._require_batch()
-        mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._context)
-        slots = self._slots[None, : rows.width]  # [1, W]
-        with self._verify_context(rows.width):
+        mask = kernels.flat_custom_mask(layout.ancestor_mask, self._prefix, seq_lens_sum=self._lens_sum())
+        slots = self._slots[:, : rows.width]  # [B, W]
+        with self._verify_context(rows.width, rows.batch_size):
             forward_batch, _ = prepare_verify_forward(
                 batch,
                 self._runner,
@@ -157,9 +166,13 @@ class SglangMeasurement:
                 mask,
                 slots,
                 self._prefix_cpu,
-                self._context,
+                self._lens_sum(),
             )
             self._runner.forward(forward_batch)
+
+    def _lens_sum(self) -> int:
+        """Σ committed tokens over the requests, a host int."""
+        return self._context * int(self._slots.shape[0])
 
     @torch.no_grad()
     def decode(self) -> None:
@@ -168,8 +181,8 @@ class SglangMeasurement:
         batch = self._require_batch()
         batch.forward_mode = ForwardMode.DECODE
         batch.spec_info = None
-        batch.input_ids = self._committed[self._context :]
-        batch.out_cache_loc = self._slots[:1]
+        batch.input_ids = self._committed[self._context :].repeat(int(self._slots.shape[0]))
+        batch.out_cache_loc = self._slots[:, 0]
         batch.seq_lens = self._prefix + 1
         batch.seq_lens_cpu = self._prefix_cpu + 1
         batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
@@ -275,7 +288,7 @@ class SglangMeasurement:
         batch.seq_lens = self._prefix.clone()
         batch.seq_lens_cpu = self._prefix_cpu.clone()
         batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
-        batch.seq_lens_sum = self._context
+        batch.seq_lens_sum = self._lens_sum()
 
     def close(self) -> None:
         """Tear down SGLang's process groups (a runtime `open` built), or empty the KV pools of a runner that

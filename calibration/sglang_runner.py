@@ -28,6 +28,7 @@ import torch
 from bastion_sglang.calibration.identity import dtype_name
 from bastion_sglang.calibration.random_inputs import CONTEXT_SEED
 from bastion_sglang.calibration.runner_measurement import SglangMeasurement
+from bastion_sglang.calibration.sweep import BATCH_TOKENS, MIN_CONTEXT
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,14 @@ def open_sglang_measurement(
     attention_backend: str,
     max_context: int,
     max_width: int,
+    max_batch: int = 1,
     load_format: str = "auto",
 ) -> SglangMeasurement:
     """Build the runtime of the module docstring (server arguments, process groups, the target's
     ModelRunner) in this process and measure on it. max_context, max_width: the grid's largest context
-    and widest verify pass (the KV pool holds both, the BastionConfig's N_max is max_width - 1).
+    and widest verify pass (the KV pool holds both, the BastionConfig's N_max is max_width - 1); max_batch:
+    the most requests of a batched pass (`sweep`: "Batches"; the pools hold that many at the smallest
+    context).
     load_format: SGLang's --load-format (`dummy`: random target weights from its config.json alone)."""
     from bastion_sglang.integration import sglang_adapter
 
@@ -83,7 +87,11 @@ def open_sglang_measurement(
         page_size=1,
         disable_cuda_graph=True,
         disable_overlap_schedule=True,
-        max_total_tokens=max_context + 2 * max_width + 1,  # context, verify window, one spare
+        max_total_tokens=max(
+            max_context + 2 * max_width + 1,  # context, verify window, one spare
+            max_batch * (MIN_CONTEXT + 2) + BATCH_TOKENS,  # the batched passes (B · width <= BATCH_TOKENS)
+        ),
+        max_running_requests=max_batch if max_batch > 1 else None,  # None: SGLang's default for the pool
         mem_fraction_static=CPU_MEM_FRACTION if device.type == "cpu" else None,
         random_seed=CONTEXT_SEED,
         load_format=load_format,

@@ -11,8 +11,11 @@ What (`StartupCalibration.run`), on the server's own target ModelRunner before i
 - the device's peak matmul FLOP/s and copy bandwidth (`microbench.measure_peaks`, a second or two);
 - the verify grid (`sweep.measure_verify_grid`): quick: the server's planning widths (its CUDA-graph
   buckets and the cap) at three contexts (64, 256, 1024 tokens, cut to what the KV pool and context length
-  hold), 1 warm-up and 3 timed rounds; full: `bastion calibrate`'s width grid up to the cap at contexts
-  from 64 to 8192 tokens, 2 warm-up and 5 timed rounds; plain decode at every context;
+  hold), and batches of 4 and 16 requests at the smallest, 1 warm-up and 3 timed rounds; full: `bastion
+  calibrate`'s width grid up to the cap at contexts from 64 to 8192 tokens, and batches of 2 to 64 requests,
+  2 warm-up and 5 timed rounds; plain decode in every cache state. Batches are cut to what the server runs at
+  once (its request pool) and its KV pool holds: a server that only ever saw batch 1 priced a batch of 8
+  from the roofline's extrapolation, and on the CPU demo pair declined every step where the chain paid;
 - the same latency fit and step costs as `bastion calibrate` (`sweep.measure_step_costs`);
 - acceptance (`SglangMeasurement.greedy_records`): quick: 24 prompts and 32 roots each, full: 36 and 48, of
   ShareGPT's held-out split (no drafter training or default benchmark sees them; as many as the KV pool holds
@@ -81,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 QUICK_CONTEXTS = (64, 256, 1024)
 """Contexts of the quick grid, tokens (cut to what the server holds)."""
+QUICK_BATCHES = (1, 4, 16)
+"""Requests per pass of the quick grid (cut to what the server holds)."""
+FULL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+"""Requests per pass of the full grid (cut to what the server holds)."""
 FULL_MAX_CONTEXT = 8192
 """Largest context of the full grid, tokens (cut to what the server holds)."""
 MIN_GRID_CONTEXT = 64
@@ -98,11 +105,17 @@ class StartupSettings:
 
     @classmethod
     def for_server(
-        cls, mode: Literal["quick", "full"], planning_widths: Sequence[int], max_context: int, topk: int
+        cls,
+        mode: Literal["quick", "full"],
+        planning_widths: Sequence[int],
+        max_context: int,
+        topk: int,
+        max_batch: int = 1,
     ) -> StartupSettings:
         """The grid of `mode` (module docstring) for a server whose verify passes run at `planning_widths`
-        (tokens per request, root included; the widest is the cap) and that holds `max_context` cached
-        tokens besides one widest pass. ValueError when it holds fewer than MIN_GRID_CONTEXT."""
+        (tokens per request, root included; the widest is the cap), that holds `max_context` cached tokens
+        besides one widest pass and `max_batch` requests of the smallest context at once. ValueError when it
+        holds fewer than MIN_GRID_CONTEXT."""
         if max_context < MIN_GRID_CONTEXT:
             raise ValueError(
                 f"the server holds {max_context} cached tokens besides a verify pass; start-up calibration "
@@ -112,7 +125,10 @@ class StartupSettings:
         if mode == "quick":
             widths = tuple(sorted({w for w in planning_widths if w >= 2} | {2, cap}))
             contexts = tuple(sorted({min(c, max_context) for c in QUICK_CONTEXTS}))
-            sweep = SweepSettings(widths=widths, contexts=contexts, topk=topk, warmup=1, repeats=3)
+            batches = tuple(b for b in QUICK_BATCHES if b <= max_batch)
+            sweep = SweepSettings(
+                widths=widths, contexts=contexts, topk=topk, warmup=1, repeats=3, batches=batches
+            )
             acceptance = AcceptanceSettings(num_prompts=24, max_new_tokens=32, topk=topk)
         else:
             sweep = SweepSettings(
@@ -121,6 +137,7 @@ class StartupSettings:
                 topk=topk,
                 warmup=2,
                 repeats=5,
+                batches=tuple(b for b in FULL_BATCHES if b <= max_batch),
             )
             acceptance = AcceptanceSettings(num_prompts=36, max_new_tokens=48, topk=topk)
         return cls(mode, sweep, acceptance)
@@ -136,11 +153,21 @@ def needs_startup_calibration(
         return None
     if resolved.profile is None:
         return resolved.reason or "no stored profile matches this runtime"
+    if measured_batch_one_only(resolved.profile):
+        return f"the stored start-up profile {resolved.path} measured verify passes of one request only"
     identity = resolved.identity
     wants_acceptance = not identity.serving.marks and identity.drafter_weights_hash is not None
     if wants_acceptance and resolved.acceptance_profile is None:
         return f"no stored profile measured this drafter's acceptance ({resolved.acceptance_miss})"
     return None
+
+
+def measured_batch_one_only(profile: CalibrationProfile) -> bool:
+    """Whether `profile` is a start-up profile whose grid held no batch above one request (made before
+    start-up calibration measured batches): a server measures again rather than price its batches by
+    extrapolation."""
+    made_by = profile.metadata.made_by or ""
+    return made_by.startswith("startup-") and all(sample.batch == 1 for sample in profile.samples)
 
 
 @dataclass(frozen=True)
@@ -150,8 +177,8 @@ class StartupCalibration:
     runner: the target's ModelRunner, its KV pools empty (they are emptied again afterwards). draft_path:
     the drafter's folder. tokenizer_path: the target tokenizer's folder (chat template of the prompts).
     planning_widths: the server's width buckets and its cap (tokens per request, root included). topk: K.
-    verify_context: the context a verify pass of a given width runs in, the server's captured graph of that
-    width on CUDA (`TargetForward.verify_graph`); None: eagerly.
+    verify_context: the context a verify pass of a given width and batch size runs in, the server's captured
+    graph of that width on CUDA (`TargetForward.verify_graph`); None: eagerly.
     """
 
     mode: Literal["quick", "full"]
@@ -162,19 +189,21 @@ class StartupCalibration:
     dtype: torch.dtype
     planning_widths: tuple[int, ...]
     topk: int
-    verify_context: Callable[[int], AbstractContextManager[None]] | None = None
+    verify_context: Callable[[int, int], AbstractContextManager[None]] | None = None
 
     def settings(self) -> StartupSettings:
         """The grid and prompts for this server: contexts up to what its KV pool and context length hold
         besides two widest passes and, with pages of several tokens, two pages (SGLang's prefill asks for a
-        page more than its tokens, and the verify slots round up to a page)."""
+        page more than its tokens, and the verify slots round up to a page); batches up to the requests its
+        request pool and KV pool hold at the smallest context with a widest pass each."""
         cap = max(self.planning_widths)
         page = self._page_size()
-        holds = min(
-            int(self.runner.max_total_num_tokens) - 2 * cap - 1 - (2 * page if page > 1 else 0),
-            int(self.runner.model_config.context_len) - cap - 1,
-        )
-        return StartupSettings.for_server(self.mode, self.planning_widths, holds, self.topk)
+        pages = 2 * page if page > 1 else 0
+        pool = int(self.runner.max_total_num_tokens)
+        holds = min(pool - 2 * cap - 1 - pages, int(self.runner.model_config.context_len) - cap - 1)
+        per_request = -(-(MIN_GRID_CONTEXT + cap + 1) // page) * page + pages
+        max_batch = min(int(self.runner.req_to_token_pool.size), pool // per_request)
+        return StartupSettings.for_server(self.mode, self.planning_widths, holds, self.topk, max_batch)
 
     def run(self, identity: RuntimeIdentity, store: ProfileStore, why: str) -> ResolvedProfile:
         """Measure, fit, log and store this server's profile; the result as `resolve_latency_profile` gives
@@ -185,12 +214,13 @@ class StartupCalibration:
         settings = self.settings()
         started = time.perf_counter()
         logger.info(
-            "BASTION: start-up calibration (%s) because %s: verify widths %s × contexts %s, %d timed rounds; "
-            "acceptance on %d prompts",
+            "BASTION: start-up calibration (%s) because %s: verify widths %s × contexts %s, batches %s, %d "
+            "timed rounds; acceptance on %d prompts",
             self.mode,
             why,
             list(settings.sweep.widths),
             list(settings.sweep.contexts),
+            list(settings.sweep.batches),
             settings.sweep.repeats,
             settings.acceptance.num_prompts,
         )

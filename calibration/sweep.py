@@ -7,6 +7,12 @@ explicit list. Width 1 (a verify of the root alone) is no speculative step: a tr
 node verifies s >= 2 tokens, and plain decoding (no tree) is measured on its own, below. Contexts c: powers
 of two from 64 up to the largest context, which is always included (`context_grid`).
 
+Batches. A server verifies B requests' trees in one pass, B·s tokens, and a plain decode step reads B
+tokens; the token-dependent parts of a pass (GEMMs below and above the ridge) are measured at B = 1 only up to
+the widest pass. So besides batch 1 at every context, the grid measures each batch size B > 1 of `batches` at
+the smallest context (attention is per request, measured across contexts at B = 1): the narrowest, middle and
+widest widths s with B·s <= `batch_tokens`, and plain decode of B requests (`batch_widths`).
+
 Verify latency. Per context the engine fills its KV cache with c tokens and the drafter runs once on it;
 the best-first tree of the drafter's top-K (K = the server's default) at the largest budget gives, for
 every width s, the first s - 1 nodes: the verify pass runs the same tokens, positions and ancestor mask as
@@ -57,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 MIN_CONTEXT = 64
 """Smallest context of the grid, tokens."""
+BATCH_TOKENS = 2048
+"""Most tokens (requests × width) of a batched verify pass the grid measures."""
 BONUS_TOKEN = 0
 """Token id placed at the root of the measured trees (its value does not change the cost)."""
 
@@ -105,9 +113,11 @@ def context_grid(max_context: int) -> tuple[int, ...]:
 
 
 class MeasurementEngine(Protocol):
-    """A target + drafter pair that runs single-request forwards on demand (batch 1).
+    """A target + drafter pair that runs forwards on demand: the target over B requests of the same context,
+    the drafter over one.
 
-    State: a KV cache holding `context` tokens (after `set_context`) and the drafter's context over them.
+    State: a KV cache holding B requests of `context` tokens (after `set_context`) and the drafter's context
+    over them.
     """
 
     @property
@@ -118,17 +128,24 @@ class MeasurementEngine(Protocol):
     def needs_flat_mask(self) -> bool:
         """Whether a decode step builds SGLang's flat custom mask (part of T_aux)."""
 
-    def set_context(self, context: int) -> None:
-        """Reset the caches to `context` committed tokens (target KV and drafter context)."""
+    @property
+    def max_batch(self) -> int:
+        """Most requests `set_context` takes (1: the engine measures batch 1 only)."""
+
+    def set_context(self, context: int, batch: int = 1, width: int | None = None) -> None:
+        """Reset the caches to `batch` requests of `context` committed tokens each (target KV), with room for
+        a verify pass of `width` tokens each (None: the widest the engine was opened for), and the drafter's
+        context to one."""
 
     def draft(self, k: int) -> DraftTopK:
         """One drafter pass after the context: top-k of the next D positions, DraftTopK [1, D, k]."""
 
     def verify(self, rows: TreeBatch, layout: VerifyLayout) -> None:
-        """One target verify pass of rows [1, W] after the context (its KV is appended to the cache)."""
+        """One target verify pass of rows [B, W] after the context (its KV is appended to the cache)."""
 
     def decode(self) -> None:
-        """One plain decode step after the context: one token, greedy pick (its KV is appended)."""
+        """One plain decode step after the context: one token per request, greedy pick (its KV is
+        appended)."""
 
     def discard(self) -> None:
         """Drop whatever `verify` or `decode` appended, back to `context` tokens."""
@@ -144,8 +161,10 @@ class MeasurementEngine(Protocol):
 class SweepSettings:
     """How to measure: the grid, the tree source and the timing counts.
 
-    widths: verify widths s (tokens per pass, root included), sorted. contexts: cached tokens c, sorted.
-    topk: K candidates per draft position. warmup / repeats: untimed / timed calls per point.
+    widths: verify widths s (tokens per request, root included), sorted. contexts: cached tokens c, sorted.
+    topk: K candidates per draft position. warmup / repeats: untimed / timed calls per point. batches: the
+    requests per pass measured (1 first, sorted); batch_tokens: the most tokens of a batched pass (module
+    docstring: "Batches").
     """
 
     widths: tuple[int, ...]
@@ -153,6 +172,8 @@ class SweepSettings:
     topk: int = DEFAULT_TOPK
     warmup: int = 3
     repeats: int = 10
+    batches: tuple[int, ...] = (1,)
+    batch_tokens: int = BATCH_TOKENS
 
     def __post_init__(self) -> None:
         check_widths(self.widths)
@@ -160,6 +181,11 @@ class SweepSettings:
             raise ValueError(f"contexts must be sorted, unique and >= 0, got {list(self.contexts)}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"topk must be a positive int, got {self.topk!r}")
+        check_batches(self.batches)
+        if self.batch_tokens < 2:
+            raise ValueError(
+                f"batch_tokens must be >= 2 (one request's root and node), got {self.batch_tokens}"
+            )
 
     @property
     def budget(self) -> int:
@@ -170,6 +196,35 @@ class SweepSettings:
     def mid_context(self) -> int:
         """The context the step costs are measured at: the middle of the grid."""
         return self.contexts[len(self.contexts) // 2]
+
+    def batch_widths(self, batch: int) -> tuple[int, ...]:
+        """The widths measured at `batch` requests: every width at batch 1; above it the narrowest, middle
+        and widest of the widths with batch · width <= batch_tokens (none when even the narrowest is more)."""
+        if batch == 1:
+            return self.widths
+        fitting = [w for w in self.widths if batch * w <= self.batch_tokens]
+        if not fitting:
+            return ()
+        return tuple(sorted({fitting[0], fitting[len(fitting) // 2], fitting[-1]}))
+
+    def cells(self) -> tuple[tuple[int, int], ...]:
+        """(context, batch) of every cache state the grid measures in: batch 1 at every context, then every
+        larger batch with a width to measure at the smallest context."""
+        larger = tuple((self.contexts[0], b) for b in self.batches if b > 1 and self.batch_widths(b))
+        return tuple((c, 1) for c in self.contexts) + larger
+
+
+def check_batches(batches: Sequence[int]) -> tuple[int, ...]:
+    """Batch sizes of the grid: sorted, unique ints >= 1, starting at 1 (the per-context grid)."""
+    values = tuple(batches)
+    if (
+        not values
+        or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values)
+        or list(values) != sorted(set(values))
+        or values[0] != 1
+    ):
+        raise ValueError(f"batch sizes must be sorted, unique ints >= 1 starting at 1, got {list(values)}")
+    return values
 
 
 def draft_trees(engine: MeasurementEngine, settings: SweepSettings) -> tuple[DraftTopK, DraftTreeBatch]:
@@ -188,60 +243,82 @@ def draft_trees(engine: MeasurementEngine, settings: SweepSettings) -> tuple[Dra
 
 
 def _verify_inputs(
-    trees: DraftTreeBatch, width: int, context: int, device: torch.device
+    trees: DraftTreeBatch, width: int, context: int, batch: int, device: torch.device
 ) -> tuple[TreeBatch, VerifyLayout]:
-    """Verify rows [1, width] of the first width - 1 nodes of `trees`, and their layout after `context`."""
+    """Verify rows [batch, width], each the first width - 1 nodes of `trees` (one tree), and their layout
+    after `context` tokens each."""
     bonus = torch.full((1,), BONUS_TOKEN, dtype=torch.int64, device=device)
-    rows = kernels.flatten_trees(trees, bonus, width)
-    layout = kernels.build_verify_layout(rows, torch.tensor([context], dtype=torch.int64, device=device))
-    return rows, layout
+    one = kernels.flatten_trees(trees, bonus, width)
+    rows = TreeBatch(
+        tokens=one.tokens.repeat(batch, 1),
+        parents=one.parents.repeat(batch, 1),
+        depths=one.depths.repeat(batch, 1),
+    )
+    contexts = torch.full((batch,), context, dtype=torch.int64, device=device)
+    return rows, kernels.build_verify_layout(rows, contexts)
+
+
+GridKey = tuple[Mode, int, int, int]
+"""(mode, width, context, batch) of one grid point."""
 
 
 def measure_verify_grid(engine: MeasurementEngine, settings: SweepSettings) -> list[LatencySample]:
-    """Median verify seconds at every (width, context) of the grid, and median plain decode seconds at every
-    context (samples of mode "decode"), timed in interleaved rounds (module docstring), with a progress
-    bar."""
-    times: dict[tuple[Mode, int, int], list[float]] = {}
+    """Median verify seconds at every (width, context, batch) of the grid, and median plain decode seconds
+    in every cache state (samples of mode "decode"), timed in interleaved rounds (module docstring), with a
+    progress bar. ValueError when the grid asks for more requests than the engine takes."""
+    cells = settings.cells()
+    widest_batch = max(batch for _, batch in cells)
+    if widest_batch > engine.max_batch:
+        raise ValueError(
+            f"the grid measures batches of up to {widest_batch} requests; the engine takes {engine.max_batch}"
+        )
+    times: dict[GridKey, list[float]] = {}
     inputs: dict[int, DraftTreeBatch] = {}
     device = engine.device
-    total = (len(settings.widths) + 1) * len(settings.contexts) * settings.repeats
+    total = sum(len(settings.batch_widths(batch)) + 1 for _, batch in cells) * settings.repeats
     with tqdm(total=total, desc="verify latency", unit="point", dynamic_ncols=True) as bar:
         for round_index in range(settings.repeats):
-            for context in settings.contexts:
-                engine.set_context(context)
+            for context, batch in cells:
+                engine.set_context(context, batch, max(settings.batch_widths(batch)))
                 if context not in inputs:
                     inputs[context] = draft_trees(engine, settings)[1]
                 trees = inputs[context]
-                ops: list[tuple[tuple[Mode, int, int], Callable[[], object]]] = []
-                for width in settings.widths:
-                    rows, layout = _verify_inputs(trees, width, context, device)
-                    ops.append((("verify", width, context), partial(engine.verify, rows, layout)))
-                ops.append((("decode", 1, context), engine.decode))
+                ops: list[tuple[GridKey, Callable[[], object]]] = []
+                for width in settings.batch_widths(batch):
+                    rows, layout = _verify_inputs(trees, width, context, batch, device)
+                    ops.append((("verify", width, context, batch), partial(engine.verify, rows, layout)))
+                ops.append((("decode", 1, context, batch), engine.decode))
                 if round_index > 0 and settings.warmup > 0:
                     time_op(ops[0][1], device, warmup=0, repeats=1, reset=engine.discard)  # refilled cache
                 for key, op in ops:
                     warmup = settings.warmup if round_index == 0 else 0
                     seconds = time_op(op, device, warmup, 1, reset=engine.discard)[0]
                     times.setdefault(key, []).append(seconds)
-                    mode, width, _ = key
-                    point = "decode" if mode == "decode" else f"s={width}"
-                    bar.set_postfix_str(f"round {round_index + 1} {point} c={context} {seconds * 1e3:.2f} ms")
+                    bar.set_postfix_str(f"round {round_index + 1} {_point(key)} {seconds * 1e3:.2f} ms")
                     bar.update()
     samples = [
-        LatencySample(s=width, c=context, seconds=statistics.median(values), mode=mode)
-        for (mode, width, context), values in times.items()
+        LatencySample(s=width, c=context, seconds=statistics.median(values), mode=mode, batch=batch)
+        for (mode, width, context, batch), values in times.items()
     ]
-    for context in settings.contexts:
+    for context, batch in cells:
         logger.debug(
-            "context %d: %s",
+            "context %d, batch %d: %s",
             context,
+            batch,
             ", ".join(
                 f"{'decode' if x.mode == 'decode' else f's={x.s}'} {x.seconds * 1e3:.2f} ms"
                 for x in samples
-                if x.c == context
+                if (x.c, x.batch) == (context, batch)
             ),
         )
     return samples
+
+
+def _point(key: GridKey) -> str:
+    mode, width, context, batch = key
+    return f"{'decode' if mode == 'decode' else f's={width}'} c={context}" + (
+        f" B={batch}" if batch > 1 else ""
+    )
 
 
 @dataclass(frozen=True)

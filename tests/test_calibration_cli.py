@@ -213,6 +213,8 @@ def test_profile_list_of_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFi
         (["--max-context", "32"], "--max-context must be an int >= 64, got 32"),
         (["--widths", "8", "4"], "--widths must be at least two sorted"),
         (["--dtype", "int8"], "'int8' is not a torch floating-point dtype"),
+        (["--engine", "reference", "--batches", "4"], "--batches 4 needs --engine sglang"),
+        (["--engine", "sglang", "--batches", "0"], "--batches must be ints >= 1, got [0]"),
     ],
 )
 def test_bad_arguments_fail_before_measuring(
@@ -247,7 +249,7 @@ def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path
     out = tmp_path / "sglang.json"
     argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]
     argv += ["--draft-model-path", str(drafter), "--engine", "sglang", "--device", "cpu", *GRID]
-    argv += ["--max-width", "8", "--out", str(out)]
+    argv += ["--max-width", "8", "--batches", "4", "--out", str(out)]
     result = subprocess.run(
         argv,
         capture_output=True,
@@ -262,6 +264,8 @@ def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path
     assert profile.metadata.sglang_version == "0.5.23"
     assert {sample.s for sample in profile.samples if sample.mode == "verify"} == set(width_grid(8))
     assert {sample.c for sample in profile.samples if sample.mode == "decode"} == set(context_grid(128))
+    batched = {(sample.mode, sample.s, sample.c) for sample in profile.samples if sample.batch == 4}
+    assert batched == {("verify", 2, 64), ("verify", 4, 64), ("verify", 8, 64), ("decode", 1, 64)}
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_SIGNATURE
 
 

@@ -118,6 +118,24 @@ def test_sweep_settings_name_their_budget_and_middle_context() -> None:
     settings = SweepSettings(widths=(2, 4, 9), contexts=(64, 128, 256, 512))
     assert settings.budget == 8
     assert settings.mid_context == 256
+    assert settings.cells() == ((64, 1), (128, 1), (256, 1), (512, 1))  # batch 1 only by default
+
+
+def test_batched_cells_measure_three_widths_within_the_token_cap_at_the_smallest_context() -> None:
+    settings = SweepSettings(
+        widths=(2, 4, 8, 16, 32, 64, 65), contexts=(64, 256), batches=(1, 4, 16, 64, 2048), batch_tokens=2048
+    )
+    assert settings.batch_widths(1) == (2, 4, 8, 16, 32, 64, 65)  # every width at batch 1
+    assert settings.batch_widths(4) == (2, 16, 65)  # narrowest, middle, widest
+    assert settings.batch_widths(64) == (2, 8, 32)  # 64 · 64 > 2048
+    assert settings.batch_widths(2048) == ()  # even 2 tokens a request is too many
+    assert settings.cells() == ((64, 1), (256, 1), (64, 4), (64, 16), (64, 64))
+
+
+@pytest.mark.parametrize("batches", [(), (2, 4), (1, 4, 2), (1, 1), (1, 0)])
+def test_batches_must_start_at_one_sorted_and_unique(batches: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="batch sizes must be sorted, unique ints >= 1 starting at 1"):
+        SweepSettings(widths=(2, 4), contexts=(64,), batches=batches)
 
 
 def test_cpu_peaks_are_measured_and_have_no_datasheet_entry() -> None:

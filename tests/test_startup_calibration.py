@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,24 +79,47 @@ def test_when_a_server_calibrates_at_start_up(
         assert why is not None and OTHER_DRAFTER[:12] in why and DRAFTER[:12] in why
 
 
+def test_a_stored_start_up_profile_of_batch_one_only_is_measured_again() -> None:
+    """A start-up profile stored before start-up calibration measured batches priced every batch by the
+    roofline's extrapolation: the server measures again. One with a batched sample, or one `bastion
+    calibrate` made (the operator's thorough choice), is reused."""
+    stored = resolved("this")
+    assert stored.profile is not None
+    single = stored.profile.model_copy(
+        update={"metadata": stored.profile.metadata.model_copy(update={"made_by": "startup-quick"})}
+    )
+    why = needs_startup_calibration("quick", replace(stored, profile=single), False, True)
+    assert why == "the stored start-up profile stored.json measured verify passes of one request only"
+    batched_sample = single.samples[0].model_copy(update={"batch": 4})
+    batched = single.model_copy(update={"samples": [*single.samples, batched_sample]})
+    assert needs_startup_calibration("quick", replace(stored, profile=batched), False, True) is None
+    assert needs_startup_calibration("quick", stored, False, True) is None  # made by calibrate
+
+
 def test_quick_grid_is_the_servers_widths_at_three_contexts() -> None:
-    settings = StartupSettings.for_server("quick", (4, 2, 8, 16, 32, 64, 65), max_context=8000, topk=8)
+    settings = StartupSettings.for_server(
+        "quick", (4, 2, 8, 16, 32, 64, 65), max_context=8000, topk=8, max_batch=256
+    )
     assert settings.sweep.widths == (2, 4, 8, 16, 32, 64, 65)
     assert settings.sweep.contexts == (64, 256, 1024)
+    assert settings.sweep.batches == (1, 4, 16)
     assert (settings.sweep.warmup, settings.sweep.repeats) == (1, 3)
     assert settings.acceptance.num_prompts == 24 and settings.acceptance.topk == 8
 
 
 def test_quick_grid_keeps_within_what_the_server_holds() -> None:
-    settings = StartupSettings.for_server("quick", (9,), max_context=300, topk=4)
+    settings = StartupSettings.for_server("quick", (9,), max_context=300, topk=4, max_batch=8)
     assert settings.sweep.widths == (2, 9)  # one node, and the cap
     assert settings.sweep.contexts == (64, 256, 300)
+    assert settings.sweep.batches == (1, 4)  # 16 requests do not fit
+    assert StartupSettings.for_server("quick", (9,), 300, 4, max_batch=1).sweep.batches == (1,)
 
 
 def test_full_grid_is_calibrates_grid_up_to_the_cap() -> None:
-    settings = StartupSettings.for_server("full", (2, 4, 8, 16, 17), max_context=5000, topk=8)
+    settings = StartupSettings.for_server("full", (2, 4, 8, 16, 17), max_context=5000, topk=8, max_batch=40)
     assert settings.sweep.widths == (2, 3, 4, 6, 8, 12, 16, 17)
     assert settings.sweep.contexts == (64, 128, 256, 512, 1024, 2048, 4096, 5000)
+    assert settings.sweep.batches == (1, 2, 4, 8, 16, 32)
     assert settings.acceptance.num_prompts == 36
 
 

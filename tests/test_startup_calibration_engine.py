@@ -49,6 +49,12 @@ def test_a_fresh_server_calibrates_stores_and_the_next_start_reuses_it(
     assert profile.metadata.made_by == "startup-quick" and profile.metadata.engine == "sglang"
     assert {s.s for s in profile.samples if s.mode == "verify"} == {2, 4, 8, 9}  # buckets and the cap
     assert {s.c for s in profile.samples} == {64, 256, 1024}
+    batched = {(s.mode, s.s, s.batch) for s in profile.samples if s.batch > 1 and s.c == 64}
+    assert batched == {
+        (mode, s, b)
+        for b in (4, 16)
+        for mode, s in (("verify", 2), ("verify", 8), ("verify", 9), ("decode", 1))
+    }
     assert profile.step_costs.t_draft > 0 and profile.step_costs.l_ar > 0
     assert calibrated == plain  # the pools it measured on were handed back clean
     written = path.read_bytes()

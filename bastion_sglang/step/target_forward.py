@@ -110,11 +110,12 @@ class TargetForward:
             worker, "target_verify", self._graphs.extra_memory_gb, self._graphs.capture_seconds
         )
 
-    def verify_graph(self, width: int) -> AbstractContextManager[None]:
-        """Within the block, a one-request verify pass of exactly `width` tokens runs as a decode step runs
-        it: through the graph captured at `width`, else eagerly (a width between buckets would be padded,
-        which a measurement of `width` must not be). For the start-up calibration's timings."""
-        shape = self._graphs.shape_for(width, 1)
+    def verify_graph(self, width: int, batch: int) -> AbstractContextManager[None]:
+        """Within the block, a verify pass of exactly `width` tokens for each of `batch` requests runs as
+        a decode step runs it: through the graph captured at `width`, else eagerly (a width between buckets
+        would be padded, which a measurement of `width` must not be; a batch above the captured sizes runs
+        eagerly in serving too). For the start-up calibration's timings."""
+        shape = self._graphs.shape_for(width, batch)
         if shape.width != width:
             return nullcontext()
         return self._graphs.installed(self._worker.target_worker.model_runner, shape)
