@@ -70,7 +70,17 @@ def test_the_draw_takes_each_rank_inside_its_share() -> None:
     q = torch.tensor([[0.5, 0.3, 0.1]], dtype=torch.float64)
     uniforms = torch.tensor([0.0, 0.4999, 0.5, 0.7999, 0.8, 0.8999, 0.9, 0.9999], dtype=torch.float64)
     drawn = [int(true_tokens(candidates, q, u.view(1, 1))) for u in uniforms]
-    assert drawn == [10, 10, 11, 11, 12, 12, -1, -1]
+    assert drawn == [10, 10, 11, 11, 12, 12, 0, 0]  # the rest: the smallest id that is no candidate
+
+
+def test_the_rest_is_never_a_candidate() -> None:
+    """Where the draw takes none of the candidates the true token is none of them either, even where the
+    candidates hold the smallest ids (the target's own argmax is often the drafter's rank 0, and taking it
+    there accepted more than the profile says)."""
+    candidates = torch.tensor([[[0, 1, 2], [2, 0, 3], [5, 6, 7]]])  # [B=1, h=3, K_p=3]
+    q = torch.tensor([[0.5, 0.3, 0.1]] * 3, dtype=torch.float64)
+    rest = true_tokens(candidates, q, torch.full((1, 3), 0.95, dtype=torch.float64))
+    assert rest.tolist() == [[3, 1, 0]]
 
 
 def test_the_draw_matches_the_profile_in_frequency() -> None:
@@ -79,17 +89,17 @@ def test_the_draw_matches_the_profile_in_frequency() -> None:
     q = torch.tensor([[0.6, 0.2, 0.05], [0.3, 0.3, 0.3]], dtype=torch.float64)
     candidates = torch.tensor([[[1, 2, 3], [4, 5, 6]]]).expand(draws, -1, -1)
     truth = true_tokens(candidates, q, torch.rand((draws, 2), generator=generator, dtype=torch.float64))
-    for position, ids in enumerate(([1, 2, 3, -1], [4, 5, 6, -1])):
+    for position, ids in enumerate(([1, 2, 3, 0], [4, 5, 6, 0])):
         shares = [float((truth[:, position] == token).double().mean()) for token in ids]
         expected = [*q[position].tolist(), 1 - float(q[position].sum())]
         assert shares == pytest.approx(expected, abs=0.005)
 
 
 def test_each_row_is_followed_by_the_true_token_of_the_next_position() -> None:
-    truth = torch.tensor([[7, -1, 9]])  # positions 1, 2, 3 after the root; none at position 2
+    truth = torch.tensor([[7, 8, 9]])  # positions 1, 2, 3 after the root
     depths = torch.tensor([[0, 1, 1, 2, 3]])  # the root, two rows at depth 1, one at 2, one at 3 (= h)
     argmax = torch.tensor([[100, 101, 102, 103, 104]])
-    assert synthetic_targets(truth, depths, argmax).tolist() == [[7, 101, 102, 9, 104]]
+    assert synthetic_targets(truth, depths, argmax).tolist() == [[7, 8, 8, 9, 104]]  # past the draft: argmax
 
 
 def test_the_draft_takes_the_profile_at_the_drafters_best_ids() -> None:

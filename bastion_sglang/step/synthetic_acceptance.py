@@ -9,10 +9,11 @@ otherwise propose nothing the target accepts. It replaces both ends of what acce
   acceptance calibration has a difference to find), the rest of the vocabulary shares what is left;
 - the target's tokens (`SyntheticAcceptor`, the accept stage): every request has a true continuation, at
   sequence position p the rank-k candidate of the draft position that p falls on with probability q[d, k]
-  and none of them with the rest, and the target's token after a verify row at depth d is that request's
-  true token at draft position d + 1 (the row's own argmax where the draw took no candidate, or past the
-  draft: with random weights it is one of the candidates about K_p / V of the time). The accept walk, the
-  commit and everything after run as always.
+  and none of them with the rest (then a token id that is none of the candidates: the target's own argmax
+  would be one of them about as often as the drafter is right, which on the demo pair's real weights raised
+  the chain's accepted length 8 % above the profile's), and the target's token after a verify row at depth d
+  is that request's true token at draft position d + 1 (past the draft, the row's own argmax). The accept
+  walk, the commit and everything after run as always.
 
 Keyed, paired draws. The uniform that picks the rank at sequence position p is a hash of the request's seed
 and p (`truth_uniforms`, the accept walk's `kernels.keyed_uniforms` on a stream of its own), not a draw from a
@@ -98,13 +99,17 @@ class SyntheticDraft:
 
 
 def true_tokens(candidates: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[B, h] each request's true token at draft positions 1..h: candidates [B, h, K_p] int64, q [h, K_p]
-    float, uniforms [B, h] in [0, 1); the rank-k candidate where the uniform falls in rank k's share of the
-    cumulative q, else -1 (none of the candidates)."""
+    """[B, h] each request's true token at draft positions 1..h: candidates [B, h, K_p] int64 (distinct per
+    position), q [h, K_p] float, uniforms [B, h] in [0, 1); the rank-k candidate where the uniform falls in
+    rank k's share of the cumulative q, else the smallest token id that is none of the candidates."""
+    width = candidates.shape[-1]
     edges = q.cumsum(-1).to(uniforms.dtype)  # [h, K_p]
     rank = (uniforms[..., None] >= edges).sum(-1)  # [B, h] in 0..K_p, K_p: no candidate
-    picked = candidates.gather(-1, rank.clamp(max=candidates.shape[-1] - 1)[..., None])[..., 0]
-    return torch.where(rank < candidates.shape[-1], picked, -1)
+    picked = candidates.gather(-1, rank.clamp(max=width - 1)[..., None])[..., 0]
+    ids = torch.arange(width + 1, device=candidates.device)  # K_p + 1 ids: one of them is no candidate
+    taken = (candidates[..., None, :] == ids[:, None]).any(-1)  # [B, h, K_p + 1]
+    outside = ids[(~taken).to(torch.int8).argmax(-1)]  # [B, h] the first free id
+    return torch.where(rank < width, picked, outside)
 
 
 def truth_uniforms(keys: torch.Tensor, prefix: torch.Tensor, horizon: int) -> torch.Tensor:
@@ -118,11 +123,11 @@ def truth_uniforms(keys: torch.Tensor, prefix: torch.Tensor, horizon: int) -> to
 
 def synthetic_targets(truth: torch.Tensor, depths: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     """[B, W] the target's token after each verify row: truth [B, h] at the row's depth (a row at depth d is
-    followed by position d + 1, truth column d); the row's own argmax [B, W] where that is -1 (no candidate)
-    or the row is at depth h (past the draft). depths: [B, W] int64, the root 0."""
+    followed by position d + 1, truth column d); the row's own argmax [B, W] where the row is at depth h (past
+    the draft). depths: [B, W] int64, the root 0."""
     horizon = truth.shape[1]
     column = truth.gather(1, depths.clamp(max=horizon - 1))
-    return torch.where((depths < horizon) & (column >= 0), column, argmax)
+    return torch.where(depths < horizon, column, argmax)
 
 
 class SyntheticAcceptor(Acceptor):
