@@ -13,7 +13,8 @@ does not notice:
   measured timings);
 - the fixed:8 Engine really drafted (accepted paths of more than three tokens on average);
 - seeded sampling (T = 0.8): token ids equal to BASTION without overlap scheduling (the walk's uniforms are a
-  hash of the seed and the position, so a committed length off by one step would change them);
+  hash of the seed and the position, so a committed length off by one step would change them), and one prompt
+  under four seeds gives four outputs under overlap scheduling (engine_support's seed probe);
 - greedy requests with output penalties (repetition, frequency, presence, min_new_tokens): token ids equal to
   BASTION without overlap scheduling. Their `output_ids` lag a step at each launch, so the worker fills in
   the tokens it committed in the forward before (`request_penalties.RecentOutputs`); penalties on the lagging
@@ -29,7 +30,14 @@ from typing import Any
 
 import pytest
 import sglang
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from oracle_drafter import write_references
 
 from bastion_sglang.integration.config import BastionConfig
@@ -110,7 +118,8 @@ def oracle_config(root: Path, reference: list[list[int]], policy: str, overlap: 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What one BASTION Engine returned: greedy ids, sampled ids, verify passes, penalised greedy ids."""
+    """What one BASTION Engine returned: greedy ids, sampled ids, verify passes, penalised greedy ids, the
+    seed probe's outputs."""
 
     policy: str
     greedy: list[list[int]]
@@ -118,16 +127,18 @@ class Run:
     verify_calls: int
     completion_tokens: int
     penalised: list[list[int]]
+    probe: list[list[int]]
 
 
 def _run(policy: str, server_args: Any, greedy: bool) -> Run:
     """Seeded sampling first (the prefill sampler's RNG is fresh in every Engine), then greedy (staggered),
-    then requests with output penalties."""
+    then requests with output penalties, then the seed probe."""
     engine = sglang.Engine(server_args=server_args)
     try:
         sampled = engine.generate(input_ids=SAMPLED_PROMPTS, sampling_params=SAMPLED)
         outputs = staggered_generate(engine, PROMPTS, greedy_params()) if greedy else []
         penalised = engine.generate(input_ids=PENALISED_PROMPTS, sampling_params=PENALISED)
+        probe = seed_probe(engine)
     finally:
         engine.shutdown()
     meta = [out["meta_info"] for out in outputs]
@@ -138,6 +149,7 @@ def _run(policy: str, server_args: Any, greedy: bool) -> Run:
         verify_calls=sum(int(m.get("spec_verify_ct", 0)) for m in meta),
         completion_tokens=sum(int(m["completion_tokens"]) for m in meta),
         penalised=[out["output_ids"] for out in penalised],
+        probe=probe,
     )
 
 
@@ -186,6 +198,11 @@ def test_overlap_engine_speculated(overlapped: Run) -> None:
 def test_sampled_equals_without_overlap(overlapped: Run, synchronous: Run) -> None:
     assert_same_outputs(overlapped.sampled, synchronous.sampled)
     assert len({tuple(ids) for ids in synchronous.sampled}) > 1  # sampled text, not one repeated output
+
+
+def test_seeds_sample_under_overlap(overlapped: Run) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    assert_seeds_sample(overlapped.probe)
 
 
 def test_penalised_outputs_equal_without_overlap(overlapped: Run, synchronous: Run) -> None:

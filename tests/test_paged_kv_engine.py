@@ -19,8 +19,9 @@ Every BASTION Engine runs with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY (pool 
 step), SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (leaks raise when the scheduler idles; it does before each
 Engine stops) and SGLANG_CHECK_KV_PAGE_INVARIANTS (no page both owned and free, none freed twice): a failed
 check kills the scheduler, and with it the run. Checked: greedy outputs equal the reference at every page
-size, seeded outputs at 16 and 64 equal page 1's, and the decoy runs emitted at least MIN_MEAN_ACCEPT tokens
-per verify pass.
+size, seeded outputs at 16 and 64 equal page 1's, the decoy runs emitted at least MIN_MEAN_ACCEPT tokens
+per verify pass, and on the tiny pair (whose byte tokens spell the probe's pattern) one prompt under four
+seeds gives four outputs at every page size (engine_support's seed probe).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import sglang
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from oracle_drafter import write_references
 from sglang_server import hf_greedy
 from transformers import AutoTokenizer
@@ -79,16 +87,19 @@ class Pair:
     greedy_prompts: list[list[int]]
     sampled_prompts: list[list[int]]
     overrides: dict[str, Any]  # more ServerArgs fields of its Engines
+    probes: bool = False  # whether its Engines answer the seed probe (a byte-token pair)
 
 
 @dataclasses.dataclass(frozen=True)
 class Outputs:
-    """What one Engine returned: output ids per request, and completion tokens / verify passes per set."""
+    """What one Engine returned: output ids per request, completion tokens / verify passes per set, and
+    the seed probe's outputs (None: not sent)."""
 
     greedy: list[list[int]]
     sampled: list[list[int]]
     greedy_tau: float
     sampled_tau: float
+    probe: list[list[int]] | None
 
 
 def _tau(outputs: list[dict[str, Any]]) -> float:
@@ -104,6 +115,7 @@ def _run(pair: Pair, config: BastionConfig, page_size: int) -> Outputs:
     try:
         greedy = engine.generate(input_ids=pair.greedy_prompts, sampling_params=GREEDY)
         sampled = engine.generate(input_ids=pair.sampled_prompts, sampling_params=SAMPLED)
+        probe = seed_probe(engine) if pair.probes else None
         time.sleep(IDLE_CHECK_SECONDS)
     finally:
         engine.shutdown()
@@ -112,6 +124,7 @@ def _run(pair: Pair, config: BastionConfig, page_size: int) -> Outputs:
         sampled=[out["output_ids"] for out in sampled],
         greedy_tau=_tau(greedy),
         sampled_tau=_tau(sampled),
+        probe=probe,
     )
 
 
@@ -153,7 +166,7 @@ def _runs(pair: Pair, root: Path) -> PairRuns:
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> PairRuns:
     root = tmp_path_factory.mktemp("paged_tiny")
-    pair = Pair(make_model_pair(root), [PROMPTS[i] for i in (0, 3, 7)], [SEEDED_TINY_PROMPT], {})
+    pair = Pair(make_model_pair(root), [PROMPTS[i] for i in (0, 3, 7)], [SEEDED_TINY_PROMPT], {}, probes=True)
     return _runs(pair, root)
 
 
@@ -195,3 +208,11 @@ def test_decoy_trees_accepted_paths_off_the_row_prefix(runs: PairRuns, page_size
     assert run.greedy_tau >= MIN_MEAN_ACCEPT, f"greedy: {run.greedy_tau:.2f} tokens per verify pass"
     if page_size > 1:
         assert run.sampled_tau >= MIN_MEAN_ACCEPT, f"seeded: {run.sampled_tau:.2f} tokens per verify pass"
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_seeds_sample_at_every_page_size(tiny_runs: PairRuns, page_size: int) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    probe = tiny_runs.paged[page_size].probe
+    assert probe is not None
+    assert_seeds_sample(probe)

@@ -29,7 +29,7 @@ regex whose first character is fixed (SEEDED_REGEX: the byte tokenizer makes it 
 in every phase. After a retraction the re-prefill's token is BASTION's seeded draw
 (`bastion_sglang.step.prefill_redraw`), so every seeded survivor, retracted or not, must equal phase 1 token
 for token; the test asserts that at least one seeded request was retracted, so it cannot pass without a
-redraw.
+redraw. After the storm, one prompt under four seeds gives four outputs (engine_support's seed probe).
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ from typing import Any
 
 import pytest
 import sglang
-from engine_support import engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from oracle_drafter import write_references
 from sglang_server import hf_greedy
 
@@ -137,6 +143,7 @@ class Runs:
     storm: Phase
     victims: list[dict[str, Any]]  # the last streamed chunk of each victim
     check: list[int]
+    probe: list[list[int]]  # the seed probe's outputs, after the storm
 
 
 async def _victim(engine: Any, prompt: list[int], rid: str) -> dict[str, Any]:
@@ -206,6 +213,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         survivors, victims = engine.loop.run_until_complete(_storm(engine))
         time.sleep(IDLE_CHECK_SECONDS)
         check = engine.generate(input_ids=CHECK_PROMPT, sampling_params=GREEDY)
+        probe = seed_probe(engine)
     finally:
         engine.shutdown()
     storm = Phase.of(survivors)
@@ -222,6 +230,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         storm=storm,
         victims=victims,
         check=check["output_ids"],
+        probe=probe,
     )
 
 
@@ -265,3 +274,9 @@ def test_victims_were_aborted_mid_generation(runs: Runs) -> None:
 
 def test_engine_serves_exactly_after_the_storm(runs: Runs) -> None:
     assert runs.check == runs.check_reference
+
+
+def test_seeds_sample_after_the_storm(runs: Runs) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample); the seeded
+    requests above differ by prompt as well as by seed."""
+    assert_seeds_sample(runs.probe)

@@ -9,7 +9,8 @@ Engine send:
 - a greedy batch of 4 (hidden states whole or "last", masks with the selected or the whole support's
   log-probabilities);
 - a batch of 8 mixing greedy requests (one with a frequency penalty) and seeded sampled ones (top-k,
-  top-p), each with or without hidden states and masks.
+  top-p), each with or without hidden states and masks;
+- (BASTION only) one prompt under four seeds, which must give four outputs (engine_support's seed probe).
 Greedy requests emit the reference's tokens, so their hidden states (per token, fp32 tolerance) and masks
 (token ids exactly, log-probabilities to 1e-4) are compared with the reference's. A seeded sampled request
 emits other tokens than SGLang's sampler would, so the reference is asked along BASTION's own tokens: one
@@ -32,7 +33,14 @@ from typing import Any
 import pytest
 import sglang
 import torch
-from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from oracle_drafter import write_references
 from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -178,11 +186,12 @@ CONFIGS = ("fixed:8", "adaptive", "fixed:8 overlap")
 
 @dataclasses.dataclass(frozen=True)
 class BastionRun:
-    """One BASTION Engine's outputs, its refusal of hidden states under overlap scheduling ("" without), and
-    the reference along its sampled requests' tokens (by index in MIXED_BATCH)."""
+    """One BASTION Engine's outputs, its refusal of hidden states under overlap scheduling ("" without), the
+    seed probe's outputs, and the reference along its sampled requests' tokens (by index in MIXED_BATCH)."""
 
     run: Run
     refusal: str
+    probe: list[list[int]]
     replays: dict[int, Output]
 
 
@@ -243,7 +252,8 @@ def _bastion_run(name: str, models: tuple[Path, Path], oracle: Path) -> BastionR
             with pytest.raises(ValueError) as error:
                 generate(engine, PROMPTS[:1], [Ask(dict(GREEDY, max_new_tokens=4), hidden=True)])
             refusal = str(error.value)
-        return BastionRun(_run(engine, hidden=not overlap), refusal, {})
+        run = _run(engine, hidden=not overlap)
+        return BastionRun(run, refusal, seed_probe(engine), {})
     finally:
         engine.shutdown()
 
@@ -321,8 +331,12 @@ def test_sampled_hidden_states_and_masks_equal_no_speculation_along_their_tokens
             ]
             want = dataclasses.replace(want, logprobs=selected)
         assert_same_masks(got, want, where)
-    outputs = {tuple(bastion.run.mixed[i].ids) for i in bastion.replays}
-    assert len(outputs) == len(bastion.replays), "sampled requests must differ"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_seeds_sample(runs: Runs, name: str) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    assert_seeds_sample(runs.bastion[name].probe)
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -19,7 +19,8 @@ Each BASTION Engine then answers the same seeded sampling requests, first after 
 return the same tokens. SGLang's prefill sampler ignores `sampling_seed` (outside its deterministic mode) but
 starts from the same RNG state in every Engine (`random_seed` 0, nothing sampled before), and BASTION's
 accept walk samples each position with a uniform hashed from the seed and the position, so trees of other
-sizes emit the same tokens; a rank that sampled otherwise would corrupt its KV cache and the outputs.
+sizes emit the same tokens; a rank that sampled otherwise would corrupt its KV cache and the outputs. Then
+one prompt under four seeds gives four outputs in each (engine_support's seed probe).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from typing import Any
 
 import pytest
 import sglang
-from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, first_difference, make_model_pair
+from engine_support import (
+    PROMPTS,
+    VOCAB_SIZE,
+    assert_seeds_sample,
+    engine_server_args,
+    first_difference,
+    make_model_pair,
+    seed_probe,
+)
 from oracle_drafter import write_references
 from rank_skew import write_skew
 
@@ -59,11 +68,13 @@ SKEW_SECONDS = 0.05  # per drafter pass on TP rank 1
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What one Engine returned: greedy ids per request, tokens per verify pass, seeded sampled ids."""
+    """What one Engine returned: greedy ids per request, tokens per verify pass, seeded sampled ids and the
+    seed probe's outputs (None: not sampled)."""
 
     greedy: list[list[int]]
     mean_accept: float
     sampled: list[list[int]] | None
+    probe: list[list[int]] | None
 
 
 def _run(server_args: Any, sample: bool) -> Run:
@@ -71,6 +82,7 @@ def _run(server_args: Any, sample: bool) -> Run:
     try:
         greedy = engine.generate(input_ids=REQUESTS, sampling_params=GREEDY)
         sampled = engine.generate(input_ids=REQUESTS[:3], sampling_params=SAMPLED) if sample else None
+        probe = seed_probe(engine) if sample else None
     finally:
         engine.shutdown()
     verify_calls = sum(int(out["meta_info"].get("spec_verify_ct") or 0) for out in greedy)
@@ -79,6 +91,7 @@ def _run(server_args: Any, sample: bool) -> Run:
         greedy=[out["output_ids"] for out in greedy],
         mean_accept=tokens / verify_calls if verify_calls else 0.0,
         sampled=None if sampled is None else [out["output_ids"] for out in sampled],
+        probe=probe,
     )
 
 
@@ -142,3 +155,11 @@ def test_seeded_sampling_is_equal_across_runs_at_tp2(runs: dict[str, Run]) -> No
     assert first != greedy_prefixes, "T = 0.8 must not reproduce the greedy text"
     for name, sampled in zip(CONFIGS[1:], others, strict=True):
         assert sampled == first, name
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_seeds_sample_at_tp2(runs: dict[str, Run], name: str) -> None:
+    """One prompt under several seeds gives as many outputs (engine_support.assert_seeds_sample)."""
+    probe = runs[name].probe
+    assert probe is not None
+    assert_seeds_sample(probe)
