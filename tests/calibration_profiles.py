@@ -89,6 +89,17 @@ def synthetic_samples(
     return verify + decode
 
 
+def startup_samples() -> list[LatencySample]:
+    """`synthetic_samples` of TRUE_FIT and, as a start-up calibration measures them, verify passes of 4
+    requests at the smallest context (`predict_batch` of the same model)."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, H100, 2), TRUE_FIT)
+    batched = [
+        LatencySample(s=s, c=CONTEXTS[0], batch=4, seconds=model.predict_batch([s] * 4, [CONTEXTS[0]] * 4))
+        for s in (2, 16, 64)
+    ]
+    return synthetic_samples(TRUE_FIT) + batched
+
+
 def make_profile(samples: list[LatencySample] | None = None, **metadata: Any) -> CalibrationProfile:
     """A profile fitted by `build_profile` on `samples` (default: TRUE_FIT's), BASE_METADATA | metadata; a
     `dtype` given without `settings` keeps the KV cache in that dtype."""

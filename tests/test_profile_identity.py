@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from calibration_profiles import IDENTITY, PLAIN_SETTINGS, make_profile
+from calibration_profiles import IDENTITY, PLAIN_SETTINGS, make_profile, startup_samples
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang.calibration import profile_cli
@@ -152,7 +152,8 @@ def test_latency_serves_every_drafter_and_each_drafter_keeps_its_own_map(store: 
 
 
 def test_a_drafter_whose_start_up_found_no_map_does_not_calibrate_again(store: ProfileStore) -> None:
-    path = saved(store, make_profile(made_by="startup-quick", drafter_weights_hash=DRAFTER_A))  # no map
+    startup = make_profile(startup_samples(), made_by="startup-quick", drafter_weights_hash=DRAFTER_A)
+    path = saved(store, startup)  # no map
     resolved = resolve_latency_profile(
         "auto", SERVER.model_copy(update={"drafter_weights_hash": DRAFTER_A}), store
     )
