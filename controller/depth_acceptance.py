@@ -14,10 +14,6 @@ multiplies each depth's conditional by c_d, i.e. adds log c_d to the calibrated 
 (`shift_logprobs`, capped at probability 1 as the base map is), which keeps every sorted row sorted, so the
 best-first trees built on the shifted values stay exact for the scores the planner sums.
 
-Greedy requests only. The map learns from greedy requests' events and is their whole online correction; a
-sampled request's acceptance differs by its temperature, which the planner corrects with one scalar factor
-on top (`StepController.residual_corrections`).
-
 Priors, so no depth is frozen. Each depth's ratio is a posterior mean with `prior_weight` pseudo-events at
 what its shallower neighbour's correction predicts, r_d = (R_d + k·r_{d-1}·c_{d-1}) / (P_d + k): a depth with
 no events takes the conditional correction of the deepest depth above it that has some (a drafter found

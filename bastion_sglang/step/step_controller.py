@@ -303,7 +303,7 @@ class StepController:
         cached = self._bounds.get(key)
         if cached is not None and step.index - cached[0] < BOUND_REPRICE_STEPS:
             return cached[1]
-        scale = max(self.residual_corrections(step.greedy))
+        scale = max(self.acceptance_tracker.corrections(step.greedy))
         mapped = self.acceptance.shifted(self.depth_map.shifts)
         accept_bound = best_accept_curve(mapped, self.horizon.depth, self._branching, self.budget)
         curve = 1.0 + scale * (accept_bound - 1.0)
@@ -320,18 +320,9 @@ class StepController:
         # the raw log-probs are scored beside calibrated trees, for the raw Â metric
         raw = None if planned is top.logprobs else top.logprobs
         trees = build_trees_auto_unchecked(planned, top.token_ids, self.budget, raw=raw)
-        scales = self.residual_corrections(step.greedy)
+        scales = self.acceptance_tracker.corrections(step.greedy)
         plan = self.plan_trees(step, trees, int(top.logprobs.shape[1]), scales)
         return StepPlan(plan, trees, top, scales, reach=self._base_reach(trees, base, top, plan.node_counts))
-
-    def residual_corrections(self, greedy: Sequence[bool]) -> list[float]:
-        """[B] the scalar acceptance corrections of top-K plans, on top of the online depth map: 1 for a
-        greedy request (the depth map, learnt from greedy requests, is its correction per depth; a scalar
-        learnt beside it counted the same error twice while both moved, and on the CPU demo pair at B = 8
-        priced trees at 0.64 of the raw drafter where the truth was 0.75, and the gate declined for the rest
-        of the run), the sampled requests' factor for a sampled one (their acceptance differs from greedy's
-        by the temperature, which the depth map does not learn)."""
-        return [1.0 if is_greedy else self.acceptance_tracker.correction(False) for is_greedy in greedy]
 
     def plan_trees(
         self, step: StepStart, trees: DraftTreeBatch, drafted: int, scales: list[float]
@@ -462,9 +453,8 @@ class StepController:
             pending = self._pending.popleft()
             tracker = self.acceptance_tracker
             tracker.observe(pending.expected_drafted, accepted_drafts, pending.greedy, pending.scales)
-            if pending.reach is not None:  # learnt from greedy requests (a zero row says nothing)
-                greedy_reach = pending.reach * np.asarray(pending.greedy, dtype=np.float64)[:, None]
-                self.depth_map.observe(greedy_reach, accepted_drafts)
+            if pending.reach is not None:
+                self.depth_map.observe(pending.reach, accepted_drafts)
             if self.metrics is not None:
                 self.metrics.observe_acceptance(
                     tracker.calibration_error, tracker.correction(True), tracker.correction(False)
