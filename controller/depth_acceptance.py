@@ -44,7 +44,7 @@ shifted depths 5 to 8 by -0.5 to -1.9 (a tenth of their probability), the trees 
 they saw no events to correct it: on the CPU demo pair's bench (about 60 decode steps per Engine at
 concurrency 1) adaptive planned 10 nodes where 15 paid. Over 60 steps of the step controller alone
 (`benchmarks/controller_synthetic.py`, synthetic GSM8K and MT-Bench at B = 1, the demo pair's start-up
-latency profile, 8 seeds) adaptive's priced speedup rose from 0.88x to 0.98x the best fixed budget's on
+latency profile, 8 seeds) adaptive's priced speedup rose from 0.88x to 0.97x the best fixed budget's on
 GSM8K and from 0.92x to 1.01x on MT-Bench (one seed in eight declined for good with one pseudo-event). More
 pseudo-events steady the start further but slow the map where the start-up map is far off: at 16, trees
 planned on a map three times too confident had not shrunk to the true map's within 30 steps."""
