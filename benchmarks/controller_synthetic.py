@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
+from bastion_sglang.controller.acceptance import realised_accept_length
 from bastion_sglang.controller.depth_acceptance import DEFAULT_PRIOR_WEIGHT, OnlineDepthMap
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
@@ -55,17 +56,6 @@ class Case(BaseModel):
     mean_speedup: float
     mean_nodes: float
     mean_accept: float
-
-
-def walk(tokens: np.ndarray, parents: np.ndarray, ranks: np.ndarray) -> int:
-    """Draft tokens accepted along the truth: at each depth the child whose token (a rank) is the truth's."""
-    node, accepted = -1, 0
-    for rank in ranks:
-        children = np.nonzero((parents == node) & (tokens == rank))[0]
-        if children.shape[0] == 0:
-            return accepted
-        node, accepted = int(children[0]), accepted + 1
-    return accepted
 
 
 def serve(
@@ -115,8 +105,14 @@ def serve(
         planned = controller.plan(step, top)
         counts = planned.plan.node_counts
         host = planned.trees.on_host()
-        accepted = [
-            walk(host.tokens[b, : counts[b]].numpy(), host.parents[b, : counts[b]].numpy(), ranks[b])
+        accepted = [  # token ids are ranks, and rank TOPK (none of the candidates) is no node's token
+            realised_accept_length(
+                host.tokens[b, : counts[b]].tolist(),
+                host.parents[b, : counts[b]].tolist(),
+                host.depths[b, : counts[b]].tolist(),
+                ranks[b].tolist(),
+            )
+            - 1
             for b in range(batch)
         ]
         deepest = max((int(host.depths[b, : counts[b]].max()) for b in range(batch) if counts[b]), default=0)

@@ -201,7 +201,7 @@ class StartupCalibration:
         pages = 2 * page if page > 1 else 0
         pool = int(self.runner.max_total_num_tokens)
         holds = min(pool - 2 * cap - 1 - pages, int(self.runner.model_config.context_len) - cap - 1)
-        per_request = -(-(MIN_GRID_CONTEXT + cap + 1) // page) * page + pages
+        per_request = self._whole_pages(MIN_GRID_CONTEXT + cap + 1) + pages
         max_batch = min(int(self.runner.req_to_token_pool.size), pool // per_request)
         return StartupSettings.for_server(self.mode, self.planning_widths, holds, self.topk, max_batch)
 
@@ -324,6 +324,11 @@ class StartupCalibration:
     def _page_size(self) -> int:
         return int(self.runner.token_to_kv_pool_allocator.page_size)
 
+    def _whole_pages(self, tokens: int) -> int:
+        """`tokens` rounded up to whole KV pages, tokens."""
+        page = self._page_size()
+        return -(-tokens // page) * page
+
     def _prompts_that_fit(self, prompts: list[list[int]], extra: int) -> list[list[int]]:
         """The first prompts whose tokens and continuations the KV pool holds at once: each prompt takes its
         length plus `extra` tokens (new tokens plus the drafter's depth), rounded up to whole pages, plus a
@@ -333,7 +338,7 @@ class StartupCalibration:
         room = int(self.runner.max_total_num_tokens)
         chosen: list[list[int]] = []
         for ids in prompts:
-            room -= -(-(len(ids) + extra) // page) * page + (page if page > 1 else 0)
+            room -= self._whole_pages(len(ids) + extra) + (page if page > 1 else 0)
             if room < 0:
                 break
             chosen.append(ids)
