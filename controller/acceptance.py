@@ -42,7 +42,13 @@ calibrated lattice trees too: its caps hold for any row that is a distribution, 
 Online correction. `AcceptanceTracker` keeps exponentially forgotten sums of the predicted drafted part
 (Â - 1) and of the realised accepted drafts, separately for greedy and sampled requests, and the planner
 scales the drafted part by their ratio c: Â = 1 + c·Σ ρ̃. A constant factor does not change which nodes are
-best, so the tree stays exact.
+best, so the tree stays exact. Beside an online depth map (`depth_acceptance.OnlineDepthMap`) the tracker
+corrects what the map leaves, not what it already corrects: the predicted part is kept per depth under the
+base map (Σ ρ̃ = Σ_d P(reach d)), and c is taken against Σ_d r_d · P(reach d), the recent steps' prediction
+under the map as it is NOW (r_d: its reach factor at depth d). Summed against each step's own shifted
+prediction instead, c went on correcting what the map had since learnt: in the first steps both moved down
+together, and on the CPU demo pair at concurrency 8 one such doubly pessimistic step put Ŝ at 0.94 where
+the chain paid 1.37x, and the gate stopped drafting for the rest of the run.
 """
 
 from __future__ import annotations
@@ -290,39 +296,62 @@ def fit_acceptance(
     )
 
 
+DEFAULT_TRACKER_PRIOR = 4.0
+"""`AcceptanceTracker`'s pseudo-tokens at c = 1: about one step's drafted part of one request's tree."""
+
+
 class AcceptanceTracker:
     """Online correction of the calibrated Â from realised accept lengths (module docstring).
 
-    decay: weight the running sums keep per observed step, in (0, 1). The correction is 1 until
-    `min_predicted` drafted tokens were predicted for that mode, and stays in [lower, upper]: near 0 for a
-    drafter whose trees are never accepted, so the planner stops buying them.
+    decay: weight the running sums keep per observed step, in (0, 1). prior: pseudo-tokens predicted, and
+    as many realised, added to both sums, so c is a posterior mean that starts at 1, moves by what the
+    evidence says as it grows and returns towards 1 as it is forgotten. (A hard threshold instead, c = 1
+    until 8 drafted tokens were predicted and the bare ratio after, let two unlucky steps of a drafter
+    accepted 60 % of the time put c at its floor and the gate closed for good.) c stays in [lower, upper]:
+    near 0 for a drafter whose trees are never accepted, so the planner stops buying them. depth: D, the
+    positions a step's per-depth predictions (`observe`'s reach) cover; 0 when none are given.
     """
 
     GREEDY, SAMPLED = 0, 1
 
     def __init__(
-        self, decay: float = 0.95, min_predicted: float = 8.0, lower: float = 1e-3, upper: float = 4.0
+        self,
+        decay: float = 0.95,
+        prior: float = DEFAULT_TRACKER_PRIOR,
+        lower: float = 1e-3,
+        upper: float = 4.0,
+        depth: int = 0,
     ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        if not prior > 0:
+            raise ValueError(f"prior must be > 0, got {prior!r}")
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
         self._decay = decay
-        self._min_predicted = min_predicted
+        self._prior = prior
         self._bounds = (lower, upper)
-        self._predicted = [0.0, 0.0]
+        # [mode, 1 + D]: column 0 the predicted drafted part not split by depth, column d the base map's
+        # predicted reaches of depth d
+        self._predicted = np.zeros((2, depth + 1), dtype=np.float64)
         self._realised = [0.0, 0.0]
         self._expected_total = 0.0
         self._realised_total = 0.0
 
-    def correction(self, greedy: bool) -> float:
-        """c for a greedy or a sampled request: realised / predicted drafted tokens, clipped."""
+    def correction(self, greedy: bool, reach_scale: np.ndarray | None = None) -> float:
+        """c for a greedy or a sampled request: realised / predicted drafted tokens, clipped. reach_scale:
+        [D] float64 r_d, the online depth map's factor on the base map's reach of depth d now
+        (`OnlineDepthMap.reach_scale`); None: 1 at every depth."""
         mode = self.GREEDY if greedy else self.SAMPLED
-        if self._predicted[mode] < self._min_predicted:
-            return 1.0
+        row = self._predicted[mode]
+        predicted = row[0] + (row[1:].sum() if reach_scale is None else float(row[1:] @ reach_scale))
         lower, upper = self._bounds
-        return min(max(self._realised[mode] / self._predicted[mode], lower), upper)
+        ratio = (self._realised[mode] + self._prior) / (predicted + self._prior)
+        return float(min(max(ratio, lower), upper))
 
-    def corrections(self, greedy: Sequence[bool]) -> list[float]:
-        return [self.correction(g) for g in greedy]
+    def corrections(self, greedy: Sequence[bool], reach_scale: np.ndarray | None = None) -> list[float]:
+        """[B] `correction` per request."""
+        return [self.correction(g, reach_scale) for g in greedy]
 
     def observe(
         self,
@@ -330,20 +359,32 @@ class AcceptanceTracker:
         accepted: Sequence[int],
         greedy: Sequence[bool],
         corrections: Sequence[float],
+        reach: np.ndarray | None = None,
     ) -> None:
         """One step: per request the calibrated drafted part Σ ρ̃ of its verified tree (before the online
         correction), the accepted draft nodes, whether it decodes greedily, and the correction it was
-        planned with (for the calibration-error statistic)."""
+        planned with (for the calibration-error statistic). reach: [B, D] float64, per request the base
+        map's probability of reaching depth d (`depth_acceptance.depth_reach`); when given, a request's
+        prediction is kept per depth, else as one sum."""
         decay = self._decay
-        self._predicted = [decay * value for value in self._predicted]
+        self._predicted *= decay
         self._realised = [decay * value for value in self._realised]
         self._expected_total *= decay
         self._realised_total *= decay
-        for drafted, hits, is_greedy, c in zip(predicted_drafted, accepted, greedy, corrections, strict=True):
+        if reach is not None and reach.shape != (len(accepted), self._predicted.shape[1] - 1):
+            raise ValueError(
+                f"reach must be [{len(accepted)}, {self._predicted.shape[1] - 1}], got {reach.shape}"
+            )
+        for i, (drafted, hits, is_greedy, c) in enumerate(
+            zip(predicted_drafted, accepted, greedy, corrections, strict=True)
+        ):
             if drafted <= 0.0:
                 continue  # a request that verified no node says nothing about the drafter
             mode = self.GREEDY if is_greedy else self.SAMPLED
-            self._predicted[mode] += drafted
+            if reach is None:
+                self._predicted[mode, 0] += drafted
+            else:
+                self._predicted[mode, 1:] += reach[i]
             self._realised[mode] += hits
             self._expected_total += 1.0 + c * drafted
             self._realised_total += 1.0 + hits

@@ -78,6 +78,13 @@ class OnlineDepthMap:
         return self._shifts
 
     @property
+    def reach_scale(self) -> np.ndarray:
+        """[D] float64 r_d = Π_{j <= d} c_j, the factor the shifts put on the base map's probability of
+        reaching depth d (exact where no shifted factor is capped at probability 1, an upper bound where one
+        is): what `acceptance.AcceptanceTracker` weighs the base map's predicted reaches with."""
+        return np.exp(np.cumsum(self._shifts))
+
+    @property
     def active(self) -> bool:
         """Whether any depth is shifted (else the planner's scores are the base map's)."""
         return bool(self._shifts.any())

@@ -187,11 +187,13 @@ class DraftedStep:
 
     accept_curve: `BatchPlan.accept_curve`, [N + 1] mean over its requests of the corrected Â(n), n = 0..N;
     deeper_gain: `horizon_gain` of its trees (0 when the drafter scored every position); requests: the ids
-    of its requests (`covers`)."""
+    of its requests (`covers`); scale: the mean online acceptance correction c its curve and gain were
+    priced with (> 0), so that `DraftEvidence` can price them again at the correction of the day."""
 
     accept_curve: tuple[float, ...]
     deeper_gain: float
     requests: frozenset[str]
+    scale: float = 1.0
 
     def covers(self, requests: Iterable[str]) -> bool:
         """Whether every one of `requests` was in the drafted step."""
@@ -212,6 +214,12 @@ RECENT_DRAFTED_STEPS = 16
 
 class DraftEvidence:
     """The Â curve a batch's ceiling prices (`speculation_ceiling`), from the recent drafted steps.
+
+    Curves are priced at the online acceptance correction c of the step that asks (`curve_for`'s scale), not
+    at the one their steps were planned with: the drafted part Â - 1 of a step planned at c' is taken times
+    c / c'. The correction forgets its evidence over steps that verify nothing and returns towards 1
+    (`acceptance.AcceptanceTracker`), and a ceiling priced at the c' of a decline did not: one step planned
+    at a pessimistic c' vetoed the gate's probes until its refresh, 64 steps and more.
 
     A batch whose requests were all in the last drafted step gets that step's curve (its own text, as last
     seen), raised to what nodes below the draft horizon could add (`reachable_accept`). A batch with a request
@@ -234,21 +242,35 @@ class DraftEvidence:
 
     def record(self, step: DraftedStep) -> None:
         """A drafted step's evidence (the oldest beyond `capacity` is forgotten)."""
+        if not step.scale > 0:
+            raise ValueError(f"a drafted step's correction must be > 0, got {step.scale!r}")
         self._steps.append(step)
-        self._last = step.reachable(len(step.accept_curve) - 1)
+        self._last = _per_unit_correction(step, len(step.accept_curve) - 1)
         self._mean = None
 
-    def curve_for(self, requests: Iterable[str]) -> np.ndarray | None:
-        """[N + 1] the raised Â curve for a batch of `requests` (ids), N the longest recent curve's; None
-        before any drafted step. The caller must not modify it."""
+    @property
+    def has_steps(self) -> bool:
+        """Whether any drafted step was recorded (else `curve_for` is None)."""
+        return self._last is not None
+
+    def curve_for(self, requests: Iterable[str], scale: float = 1.0) -> np.ndarray | None:
+        """[N + 1] the raised Â curve for a batch of `requests` (ids) at the online correction `scale`, N the
+        longest recent curve's, never above 1 + n; None before any drafted step."""
         if self._last is None:
             return None
         if self._steps[-1].covers(requests):
-            return self._last
-        if self._mean is None:
-            nodes = max(len(step.accept_curve) for step in self._steps) - 1
-            self._mean = np.mean([step.reachable(nodes) for step in self._steps], axis=0)
-        return self._mean
+            unit = self._last
+        else:
+            if self._mean is None:
+                nodes = max(len(step.accept_curve) for step in self._steps) - 1
+                self._mean = np.mean([_per_unit_correction(step, nodes) for step in self._steps], axis=0)
+            unit = self._mean
+        return np.minimum(1.0 + scale * (unit - 1.0), 1.0 + np.arange(unit.shape[0], dtype=np.float64))
+
+
+def _per_unit_correction(step: DraftedStep, nodes: int) -> np.ndarray:
+    """[nodes + 1] the step's raised curve (`DraftedStep.reachable`) with its drafted part at correction 1."""
+    return 1.0 + (step.reachable(nodes) - 1.0) / step.scale
 
 
 def horizon_gain(trees: DraftTreeBatch, horizon: int, depth: int, accept_scale: Sequence[float]) -> float:

@@ -371,3 +371,19 @@ def test_one_requests_unpredictable_tail_does_not_veto_the_next_requests() -> No
     assert speculation_ceiling(evidence.curve_for(["old"]), [300], model, costs).speedup < 1.0
     fresh = evidence.curve_for([f"new{i}" for i in range(8)])
     assert speculation_ceiling(fresh, [300] * 8, model, costs).speedup > 1.0
+
+
+def test_evidence_is_priced_at_the_correction_of_the_day() -> None:
+    """A curve planned at c = 0.25 is priced at the correction asked for: its drafted part times c / 0.25,
+    never above 1 + n. A ceiling priced at a decline's pessimistic c kept vetoing probes after the correction
+    had forgotten it."""
+    evidence = DraftEvidence(capacity=2)
+    evidence.record(DraftedStep((1.0, 1.2, 1.3), 0.0, frozenset({"a"}), scale=0.25))
+    assert evidence.curve_for(["a"], 0.25).tolist() == pytest.approx([1.0, 1.2, 1.3])
+    assert evidence.curve_for(["a"], 0.5).tolist() == pytest.approx([1.0, 1.4, 1.6])
+    assert evidence.curve_for(["a"], 1.0).tolist() == pytest.approx([1.0, 1.8, 2.2])
+    assert evidence.curve_for(["a"], 4.0).tolist() == pytest.approx([1.0, 2.0, 3.0])  # capped at 1 + n
+    evidence.record(DraftedStep((1.0, 1.5), 0.0, frozenset({"b"}), scale=1.0))
+    assert evidence.curve_for(["c"], 1.0).tolist() == pytest.approx([1.0, (1.8 + 1.5) / 2, (2.2 + 1.5) / 2])
+    with pytest.raises(ValueError, match="correction must be > 0"):
+        evidence.record(DraftedStep((1.0, 1.5), 0.0, frozenset({"b"}), scale=0.0))

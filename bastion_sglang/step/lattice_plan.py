@@ -53,6 +53,6 @@ def plan_lattice(
         trees = build_lattice_trees(weighted, ids, budget, branching, ties=raw)
     else:  # the weighted raw transitions scored beside the calibrated trees, for the raw Â metric
         trees = build_lattice_trees(acceptance.apply(raw), ids, budget, branching, raw=weighted, ties=raw)
-    scales = controller.acceptance_tracker.corrections(step.greedy)
+    scales = controller.acceptance_scales(step.greedy)
     plan = controller.plan_trees(step, trees, int(lattice.transitions.shape[1]), scales)
     return StepPlan(plan, trees, lattice.unary, scales, lattice)

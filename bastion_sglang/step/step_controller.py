@@ -243,7 +243,7 @@ class StepController:
         self.depth_map = OnlineDepthMap(horizon.depth)
         self._bounds: dict[tuple[int, int], tuple[int, SpeculationCeiling]] = {}  # (B, context bucket)
         self.evidence = DraftEvidence()  # what the recent drafted steps said of their text
-        self.acceptance_tracker = AcceptanceTracker()
+        self.acceptance_tracker = AcceptanceTracker(depth=horizon.depth)
         self.timer: StageTimer[StepRecord] = StageTimer(device)
         self._pending: deque[PendingStep] = deque(maxlen=PENDING_STEPS)  # oldest first
         self._speedups = SpeedupLedger()
@@ -283,16 +283,20 @@ class StepController:
         runs the gate (the leader under TP; other ranks take its horizon). Policies that never decline
         always draft; a probe of the gate scores every position (`DraftHorizon.open`)."""
         if self.policy.may_decline and decides:
-            curve = self.evidence.curve_for(step.requests)
-            contexts, costs = step.contexts, step.costs
-            ceiling = (
-                None if curve is None else lambda: speculation_ceiling(curve, contexts, self.latency, costs())
-            )
+            ceiling = functools.partial(self._ceiling, step) if self.evidence.has_steps else None
             if not self.gate.should_draft(ceiling, self.pay_bound(step)):
                 return 0
             if self.gate.probing:
                 self.horizon.open()
         return self.horizon.horizon
+
+    def _ceiling(self, step: StepStart) -> SpeculationCeiling:
+        """The gate's ceiling for this batch: the recent drafted steps' curve (`DraftEvidence.curve_for`)
+        at today's acceptance correction, priced at the batch's contexts and step costs."""
+        scales = self.acceptance_scales(step.greedy)
+        curve = self.evidence.curve_for(step.requests, sum(scales) / len(scales))
+        assert curve is not None  # asked only once a step drafted
+        return speculation_ceiling(curve, step.contexts, self.latency, step.costs())
 
     def pay_bound(self, step: StepStart) -> SpeculationCeiling | None:
         """The best speedup any tree could give this batch (class docstring), priced once per batch size and
@@ -303,13 +307,18 @@ class StepController:
         cached = self._bounds.get(key)
         if cached is not None and step.index - cached[0] < BOUND_REPRICE_STEPS:
             return cached[1]
-        scale = max(self.acceptance_tracker.corrections(step.greedy))
+        scale = max(self.acceptance_scales(step.greedy))
         mapped = self.acceptance.shifted(self.depth_map.shifts)
         accept_bound = best_accept_curve(mapped, self.horizon.depth, self._branching, self.budget)
         curve = 1.0 + scale * (accept_bound - 1.0)
         bound = speculation_ceiling(curve, step.contexts, self.latency, step.costs())
         self._bounds[key] = (step.index, bound)
         return bound
+
+    def acceptance_scales(self, greedy: Sequence[bool]) -> list[float]:
+        """[B] the online acceptance correction c per request (`AcceptanceTracker.correction`), taken
+        against the online depth map as it is now."""
+        return self.acceptance_tracker.corrections(greedy, self.depth_map.reach_scale)
 
     def plan(self, step: StepStart, top: DraftTopK) -> StepPlan:
         """The calibrated best-first trees of `top` ([B, h, K] log-probs and ids) and the batch plan; the
@@ -320,7 +329,7 @@ class StepController:
         # the raw log-probs are scored beside calibrated trees, for the raw Â metric
         raw = None if planned is top.logprobs else top.logprobs
         trees = build_trees_auto_unchecked(planned, top.token_ids, self.budget, raw=raw)
-        scales = self.acceptance_tracker.corrections(step.greedy)
+        scales = self.acceptance_scales(step.greedy)
         plan = self.plan_trees(step, trees, int(top.logprobs.shape[1]), scales)
         return StepPlan(plan, trees, top, scales, reach=self._base_reach(trees, base, top, plan.node_counts))
 
@@ -343,7 +352,7 @@ class StepController:
         )
         self.gate.record(plan.speculative_speedup)
         gain = horizon_gain(trees, drafted, self.horizon.depth, scales)
-        self.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests))
+        self.evidence.record(DraftedStep(plan.accept_curve, gain, step.requests, sum(scales) / len(scales)))
         return plan
 
     def _base_reach(
@@ -452,12 +461,14 @@ class StepController:
         if self._pending:
             pending = self._pending.popleft()
             tracker = self.acceptance_tracker
-            tracker.observe(pending.expected_drafted, accepted_drafts, pending.greedy, pending.scales)
+            tracker.observe(
+                pending.expected_drafted, accepted_drafts, pending.greedy, pending.scales, pending.reach
+            )
             if pending.reach is not None:
                 self.depth_map.observe(pending.reach, accepted_drafts)
             if self.metrics is not None:
                 self.metrics.observe_acceptance(
-                    tracker.calibration_error, tracker.correction(True), tracker.correction(False)
+                    tracker.calibration_error, *self.acceptance_scales([True, False])
                 )
             committed = sum(accepted_drafts) + len(accepted_drafts)
             self._report_speedup(self._speedups.committed(pending.index, committed))
