@@ -296,20 +296,16 @@ def fit_acceptance(
     )
 
 
-DEFAULT_TRACKER_PRIOR = 4.0
-"""`AcceptanceTracker`'s pseudo-tokens at c = 1: about one step's drafted part of one request's tree."""
-
-
 class AcceptanceTracker:
     """Online correction of the calibrated Â from realised accept lengths (module docstring).
 
-    decay: weight the running sums keep per observed step, in (0, 1). prior: pseudo-tokens predicted, and
-    as many realised, added to both sums, so c is a posterior mean that starts at 1, moves by what the
-    evidence says as it grows and returns towards 1 as it is forgotten. (A hard threshold instead, c = 1
-    until 8 drafted tokens were predicted and the bare ratio after, let two unlucky steps of a drafter
-    accepted 60 % of the time put c at its floor and the gate closed for good.) c stays in [lower, upper]:
-    near 0 for a drafter whose trees are never accepted, so the planner stops buying them. depth: D, the
-    positions a step's per-depth predictions (`observe`'s reach) cover; 0 when none are given.
+    decay: weight the running sums keep per observed step, in (0, 1). The correction is 1 until
+    `min_predicted` drafted tokens were predicted for that mode (the sums forgotten below it return it to 1),
+    and stays in [lower, upper]: near 0 for a drafter whose trees are never accepted, so the planner stops
+    buying them within a step or two. (A posterior mean with a few pseudo-tokens at 1 instead could not go
+    below prior / (recent predicted tokens): it kept a never-matching drafter speculating on most steps where
+    a verify pass costs about a plain step.) depth: D, the positions a step's per-depth predictions
+    (`observe`'s reach) cover; 0 when none are given.
     """
 
     GREEDY, SAMPLED = 0, 1
@@ -317,19 +313,17 @@ class AcceptanceTracker:
     def __init__(
         self,
         decay: float = 0.95,
-        prior: float = DEFAULT_TRACKER_PRIOR,
+        min_predicted: float = 8.0,
         lower: float = 1e-3,
         upper: float = 4.0,
         depth: int = 0,
     ) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
-        if not prior > 0:
-            raise ValueError(f"prior must be > 0, got {prior!r}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
         self._decay = decay
-        self._prior = prior
+        self._min_predicted = min_predicted
         self._bounds = (lower, upper)
         # [mode, 1 + D]: column 0 the predicted drafted part not split by depth, column d the base map's
         # predicted reaches of depth d
@@ -344,10 +338,11 @@ class AcceptanceTracker:
         (`OnlineDepthMap.reach_scale`); None: 1 at every depth."""
         mode = self.GREEDY if greedy else self.SAMPLED
         row = self._predicted[mode]
+        if row.sum() < self._min_predicted:
+            return 1.0
         predicted = row[0] + (row[1:].sum() if reach_scale is None else float(row[1:] @ reach_scale))
         lower, upper = self._bounds
-        ratio = (self._realised[mode] + self._prior) / (predicted + self._prior)
-        return float(min(max(ratio, lower), upper))
+        return float(min(max(self._realised[mode] / predicted, lower), upper))
 
     def corrections(self, greedy: Sequence[bool], reach_scale: np.ndarray | None = None) -> list[float]:
         """[B] `correction` per request."""
