@@ -48,7 +48,7 @@ base map (Σ ρ̃ = Σ_d P(reach d)), and c is taken against Σ_d r_d · P(reach
 under the map as it is NOW (r_d: its reach factor at depth d). Summed against each step's own shifted
 prediction instead, c went on correcting what the map had since learnt: in the first steps both moved down
 together, and on the CPU demo pair at concurrency 8 one such doubly pessimistic step put Ŝ at 0.94 where
-the chain paid 1.37x, and the gate stopped drafting for the rest of the run.
+the chain paid 1.6x to 1.75x (docs/benchmarks.md), and the gate stopped drafting for the rest of the run.
 """
 
 from __future__ import annotations
