@@ -146,3 +146,16 @@ def test_one_rank_passes_everything_through() -> None:
     hidden = torch.randn(2, HIDDEN)
     head = DraftHead.of(types.SimpleNamespace(weight=weight), VOCAB, None)
     torch.testing.assert_close(head(hidden), hidden @ weight[:VOCAB].T)
+
+
+def test_the_head_takes_a_strided_view_of_the_drafters_block() -> None:
+    """The draft stage hands the head positions 1..h of the drafter's [B, γ, H] block, a strided view: the
+    head flattens it into one [B·h, H] product and returns [B, h, V] logits, row for row."""
+    weight = torch.randn(VOCAB_PADDED, HIDDEN)
+    block = torch.randn(3, 6, HIDDEN)
+    hidden = block[:, 1:5]
+    assert not hidden.is_contiguous()
+    logits = DraftHead.of(types.SimpleNamespace(weight=weight), VOCAB, None)(hidden)
+    assert logits.shape == (3, 4, VOCAB)
+    for b in range(3):
+        torch.testing.assert_close(logits[b], block[b, 1:5] @ weight[:VOCAB].T)

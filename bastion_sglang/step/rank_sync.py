@@ -146,8 +146,14 @@ class DraftHead:
         return cls(weight, vocab_size, group)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] drafter hidden states. Returns [..., V] logits in the weight's dtype."""
-        logits = torch.matmul(hidden.to(self.weight.dtype), self.weight.T)
+        """hidden: [..., H] drafter hidden states, any strides. Returns [..., V] logits in the weight's dtype.
+
+        The product runs on one contiguous [N, H] matrix. The drafter's positions 1..h are a strided view of
+        its [B, γ, H] output, and torch.matmul of such a [B, h, H] view does not fold into one GEMM: on the
+        2-core CPU at B = 8, h = 15 (fp32, the demo pair's head) it took 71 ms where the folded GEMM takes 40.
+        """
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
+        logits = torch.matmul(rows, self.weight.T).view(*hidden.shape[:-1], -1)
         if self.group is None:
             return logits
         return self.group.all_gather(logits.contiguous(), dim=-1)[..., : self.vocab_size]
