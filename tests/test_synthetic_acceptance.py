@@ -106,18 +106,20 @@ def test_the_draft_takes_the_profile_at_the_drafters_best_ids() -> None:
     profile = _profile([[0.7, 0.2], [0.4, 0.1]])
     draft = SyntheticDraft(profile)
     logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(1))
-    out = draft([], logits, [0, 0, 0])
-    best = torch.topk(logits, 2, dim=-1).indices
-    assert torch.equal(draft.candidates, best)
-    probs = out.double().exp()
-    assert torch.allclose(probs.sum(-1), torch.ones(3, 2, dtype=torch.float64), atol=1e-5)
+    best = torch.topk(logits, 4, dim=-1).indices
+    top = draft.top(logits, 4)
+    assert torch.equal(top.token_ids, best)  # the drafter's own top ids, in its order
+    assert torch.equal(draft.candidates, best[..., :2])  # K_p = 2 ranks for the truth's draw
     stated, rest = profile.stated_probs(2)  # over-confident by default: sharper than q
     assert profile.drafter_temperature < 1 and bool((stated[:, 0] > torch.tensor([0.7, 0.4])).all())
-    assert torch.allclose(probs.gather(-1, best), stated.expand(3, -1, -1), atol=1e-6)
-    others = probs.scatter(-1, best, 0.0)
-    assert torch.allclose(others.max(-1).values, (rest[:, 0] / 48).expand(3, -1), atol=1e-7)
+    probs = top.logprobs.double().exp()
+    assert torch.allclose(probs[..., :2], stated.expand(3, -1, -1), atol=1e-6)
+    assert torch.allclose(probs[..., 2:], (rest / 48).expand(3, -1, 2), rtol=1e-5)  # a share of the rest
+    assert bool((top.logprobs[..., :-1] >= top.logprobs[..., 1:]).all())  # sorted, as the tree search reads
+    fewer = draft.top(logits, 1)  # K below the profile's ranks: the truth still draws over K_p = 2
+    assert torch.equal(fewer.token_ids, best[..., :1]) and torch.equal(draft.candidates, best[..., :2])
     oracle = SyntheticDraft(profile.model_copy(update={"drafter_temperature": 1.0}))
-    taken = oracle([], logits, [0, 0, 0]).double().exp().gather(-1, best)
+    taken = oracle.top(logits, 2).logprobs.double().exp()
     assert torch.allclose(
         taken, torch.tensor([[0.7, 0.2], [0.4, 0.1]], dtype=torch.float64).expand(3, -1, -1)
     )
@@ -216,7 +218,7 @@ def test_the_accept_walk_realises_the_planners_expected_length(name: str, budget
     requests, vocab, ranks = 8_000, 256, 8  # vocab: every other id stays below the last rank
     draft = SyntheticDraft(profile)
     logits = -torch.arange(vocab, dtype=torch.float32).expand(requests, DEPTH, vocab)  # ids 0..7 the best
-    top = kernels.topk_logprobs(draft([], logits, [0] * requests), min(ranks, len(profile.rank_probs[0])))
+    top = draft.top(logits, min(ranks, len(profile.rank_probs[0])))
     tree = build_tree(top.logprobs[0], top.token_ids[0], budget)
     expected = expected_accept_length(tree)
     copies = _Rows(*(part.expand(requests, -1) for part in (tree.tokens, tree.parents, tree.depths)))

@@ -11,6 +11,9 @@ may rewrite them. They have different contracts, so they have different names.
   tree towards a known continuation in tests. It is configured by name on the
   server (`BastionConfig.draft_proposer` = "module:factory", called once with `draft_proposer_arg` in the
   scheduler process; `load_draft_logits_rewriter`).
+- `DraftTopKReader` (the SGLang worker): reads the top-k the tree search plans on from those logits,
+  `kernels.topk_logprobs` unless synthetic acceptance states its profile's probabilities at the drafter's own
+  top ids (`synthetic_acceptance.SyntheticDraft.top`), at the cost of the same log-softmax and top-k.
 
 Terms. The *committed* sequence is the prompt plus every emitted token; its last token is the bonus token,
 the only one not yet in the target's KV cache, so ctx_len = len(committed) - 1 and the bonus sits at
@@ -77,6 +80,13 @@ class DraftLogitsRewriter(Protocol):
         committed tokens with KV (the root sits at that position, so the request has emitted
         prefix - prompt + 1 tokens; under overlap scheduling a request's own `output_ids` may lag a step).
         Returns [B, h, V] logits."""
+
+
+class DraftTopKReader(Protocol):
+    """Reads the draft's top-k from its logits (the worker's draft stage)."""
+
+    def __call__(self, logits: torch.Tensor, k: int) -> DraftTopK:
+        """logits: [B, h, V] draft logits. Returns DraftTopK [B, h, k]: log-probs (sorted descending), ids."""
 
 
 def load_draft_logits_rewriter(config: BastionConfig) -> DraftLogitsRewriter | None:

@@ -5,8 +5,9 @@ The drafter runs over each request's block [root, MASK x (γ-1)] at positions L_
 draft forward, `spec_input.prepare_draft_forward`); the first h of the γ-1 positions after the root are
 drafted (h: the draft horizon, `controller.horizon`).
 - DFlash: the target's LM head turns their hidden states into logits [B, h, V] (under TP the head is sharded
-  by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them;
-  `kernels.topk_logprobs` keeps K candidates per position (`DraftTopK`).
+  by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them; the
+  `DraftTopKReader` keeps K candidates per position (`DraftTopK`): `kernels.topk_logprobs`, or under synthetic
+  acceptance the profile's stated probabilities at the drafter's own top ids.
 - DFlash2: the target's LM head turns the hidden states into logits [B, h, V] once; SGLang's own selector
   path on them (`sglang_adapter.lattice_of_head_logits`: `compute_candidates` after its matmul, SGLang's
   top-K of the raw logits and the drafter's transform of their values, then
@@ -31,7 +32,7 @@ from bastion_sglang.controller.lattice_tree import selector_logprobs
 from bastion_sglang.integration import sglang_adapter as sgl
 from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, draft_tp_context
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.step.draft_protocols import DraftLogitsRewriter
+from bastion_sglang.step.draft_protocols import DraftLogitsRewriter, DraftTopKReader
 from bastion_sglang.step.rank_sync import DraftHead
 from bastion_sglang.step.spec_input import prepare_draft_forward
 
@@ -56,6 +57,7 @@ class DrafterForward:
         draft_head: DraftHead,
         branching: int,
         rewriter: DraftLogitsRewriter | None,
+        top_k: DraftTopKReader = kernels.topk_logprobs,
     ) -> None:
         self._worker = worker
         device = torch.device(worker.device)
@@ -70,12 +72,14 @@ class DrafterForward:
         self._draft_head = draft_head
         self._branching = branching
         self._rewriter = rewriter
+        self._top_k = top_k
         self._selector = sgl.dflash2_selector(worker)
         if self._selector is not None:
-            if rewriter is not None:
+            if rewriter is not None or top_k is not kernels.topk_logprobs:
                 raise ValueError(
-                    "a DraftLogitsRewriter (BastionConfig.draft_proposer) rewrites DFlash draft logits "
-                    "[B, h, V]; this DFlash2 drafter drafts a candidate lattice, which it cannot rewrite"
+                    "a DraftLogitsRewriter (BastionConfig.draft_proposer) or synthetic acceptance rewrites "
+                    "DFlash draft logits [B, h, V]; this DFlash2 drafter drafts a candidate lattice, which "
+                    "it cannot rewrite"
                 )
             sgl.attach_selector_head(worker, worker.model_runner.model.lm_head)
 
@@ -96,7 +100,7 @@ class DrafterForward:
             logits = self._draft_head(hidden)
         if self._rewriter is not None:
             logits = self._rewriter(inputs.batch.reqs, logits, contexts)
-        return kernels.topk_logprobs(logits, self._branching)
+        return self._top_k(logits, self._branching)
 
     def _hidden_states(self, inputs: DecodeInputs, horizon: int, prefix_sum: int) -> torch.Tensor:
         """The drafter's final hidden states [B, h, H] of the first h = `horizon` of the γ-1 positions after

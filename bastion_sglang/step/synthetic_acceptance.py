@@ -3,7 +3,7 @@
 For benchmarks of a target loaded without its weights (`--load-format dummy`), whose random drafter would
 otherwise propose nothing the target accepts. It replaces both ends of what acceptance depends on:
 
-- the draft (`SyntheticDraft`, a `draft_protocols.DraftLogitsRewriter`): at draft position d (1-based) the
+- the draft (`SyntheticDraft.top`, a `draft_protocols.DraftTopKReader`): at draft position d (1-based) the
   drafter's own top-K_p ids get the probabilities the drafter states, the profile's q[d, k] (k = 0 the best)
   sharpened by its `drafter_temperature` (over-confident by default, as real drafters are: the planner's
   acceptance calibration has a difference to find), the rest of the vocabulary shares what is left;
@@ -34,17 +34,16 @@ take row D.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from bastion_sglang import kernels
+from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.step.accept import Acceptor
 from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 TRUTH_STREAM = 0x5A17_C0DE_7E57_0001
@@ -54,8 +53,8 @@ REST_FLOOR = 1e-9
 
 
 class SyntheticDraft:
-    """The draft side (module docstring), a DraftLogitsRewriter; it keeps the last step's candidate ids
-    [B, h, K_p] for `SyntheticAcceptor`."""
+    """The draft side (module docstring); it keeps the last step's candidate ids [B, h, K_p] for
+    `SyntheticAcceptor`."""
 
     def __init__(self, profile: SyntheticAcceptanceProfile) -> None:
         self.profile = profile
@@ -84,18 +83,19 @@ class SyntheticDraft:
             )
         return self._logq[key]
 
-    def __call__(
-        self, reqs: Sequence[Any], draft_logits: torch.Tensor, prefix_lens: Sequence[int]
-    ) -> torch.Tensor:
-        """draft_logits [B, h, V] -> [B, h, V] log-probabilities: the drafter's top-K_p ids at each position
-        take the profile's q, every other id an equal share of the rest."""
+    def top(self, draft_logits: torch.Tensor, k: int) -> DraftTopK:
+        """A `draft_protocols.DraftTopKReader`: draft_logits [B, h, V] -> DraftTopK [B, h, k], the drafter's
+        own top ids with the log-probabilities it states (`log_probs`): the profile's q at ranks below K_p,
+        an equal share of the rest beyond (ids the draw never takes). The step pays what it pays without the
+        seam: one log-softmax and one top-k over the vocabulary (of max(k, K_p) ids), and no [B, h, V] tensor
+        is written; the top K_p ids are kept for `SyntheticAcceptor`."""
         bs, depth, vocab = draft_logits.shape
         logq, rest = self.log_probs(depth, vocab, draft_logits.device)
-        candidates = torch.topk(draft_logits, logq.shape[1], dim=-1).indices  # [B, h, K_p]
-        out = rest.expand(depth, vocab).repeat(bs, 1, 1)
-        out.scatter_(-1, candidates, logq.expand(bs, -1, -1))
-        self.candidates = candidates
-        return out
+        ranks = logq.shape[1]
+        own = kernels.topk_logprobs(draft_logits, max(k, ranks))
+        self.candidates = own.token_ids[..., :ranks]
+        stated = torch.cat([logq, rest.expand(depth, max(k - ranks, 0))], dim=-1)[:, :k]
+        return DraftTopK(stated.expand(bs, -1, -1).contiguous(), own.token_ids[..., :k].contiguous())
 
 
 def true_tokens(candidates: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
