@@ -491,3 +491,42 @@ def test_engine_rejects_bad_setups(target: Target, tmp_path: Path) -> None:
         engine.generate([1, 2], 0, policy="ar")
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([1, 2], 4, temperature=1.0, top_p=0.0, policy="ar")
+
+
+LAW_DRAWS = 400
+"""Seeds of the law check: the counts it compares are a function of them (fixed seeds, fixed outputs)."""
+
+
+def test_sampled_tokens_follow_the_targets_law(target: Target) -> None:
+    """The law, where it is cheap: over LAW_DRAWS seeds, the pair (the prefill's token, the first token of the
+    first speculative step) follows the target's processed distribution (temperature 2, top-k 3). Every pair's
+    count lies within five standard deviations of its expected count, and the counts' total variation from the
+    law is under 0.08. A walk that ignored the temperature or the top-k, or emitted the drafter's token
+    unverified, draws another law."""
+    engine = engine_for(target, target.drafter_path)
+    prompt = list(target.prompts[1])
+    temperature, top_k = 2.0, 3
+
+    def law(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = target.model(torch.tensor([ids])).logits[0, -1].double() / temperature
+        kept = torch.topk(logits, top_k)
+        return dict(zip(kept.indices.tolist(), torch.softmax(kept.values, -1).tolist(), strict=True))
+
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(LAW_DRAWS):
+        result = engine.generate(prompt, 2, temperature=temperature, top_k=top_k, seed=seed, policy="chain")
+        pair = (int(result.tokens[0]), int(result.tokens[1]))
+        counts[pair] = counts.get(pair, 0) + 1
+    expected = {
+        (first, second): p * q
+        for first, p in law(prompt).items()
+        for second, q in law([*prompt, first]).items()
+    }
+    assert set(counts) <= set(expected), f"pairs outside the law's support: {set(counts) - set(expected)}"
+    for pair, probability in expected.items():
+        mean = LAW_DRAWS * probability
+        spread = 5 * (LAW_DRAWS * probability * (1 - probability)) ** 0.5 + 1
+        assert abs(counts.get(pair, 0) - mean) <= spread, (pair, counts.get(pair, 0), mean)
+    distance = 0.5 * sum(abs(counts.get(pair, 0) / LAW_DRAWS - p) for pair, p in expected.items())
+    assert distance < 0.08, distance
