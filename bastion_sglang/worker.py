@@ -38,15 +38,9 @@ from bastion_sglang.integration.sglang_adapter import (
     get_schedule,
     get_spec,
 )
-from bastion_sglang.kernels import topk_logprobs
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
-from bastion_sglang.step.accept import Acceptor, RowLogits, is_greedy
+from bastion_sglang.step.accept import RowLogits, is_greedy
 from bastion_sglang.step.commit import DraftContextWriter, TreeCommit
-from bastion_sglang.step.draft_protocols import (
-    DraftLogitsRewriter,
-    DraftTopKReader,
-    load_draft_logits_rewriter,
-)
 from bastion_sglang.step.drafter_forward import DrafterForward
 from bastion_sglang.step.graph_buckets import planning_widths, real_rows
 from bastion_sglang.step.metrics import BastionMetrics, scheduler_metric_labels
@@ -57,8 +51,7 @@ from bastion_sglang.step.rank_sync import DraftHead, RankSync, scheduler_group
 from bastion_sglang.step.request_outputs import attach_step_outputs, capture_final_hidden_states
 from bastion_sglang.step.spec_input import step_result
 from bastion_sglang.step.step_controller import StepController, StepPlan, StepRecord, StepStart
-from bastion_sglang.step.synthetic_acceptance import SyntheticAcceptor, SyntheticDraft
-from bastion_sglang.step.synthetic_profile import load_synthetic_profile
+from bastion_sglang.step.synthetic_acceptance import draft_seams
 from bastion_sglang.step.target_forward import DecodeInputs, TargetForward, TreePass
 
 if TYPE_CHECKING:
@@ -90,7 +83,8 @@ class BastionWorker(DFlashWorkerV2):
         capture_final_hidden_states(self)  # before the target's graphs are captured
         vocab_size = int(self.model_runner.model_config.vocab_size)
         backend = str(get_exec().kernel.sampling_backend)
-        rewriter, top_k, self._acceptor = self._draft_seams(server_args, vocab_size, backend)
+        seams = draft_seams(config, int(server_args.tp_size), vocab_size, backend)
+        self._acceptor = seams.acceptor
         server_seed = int(server_args.random_seed or 0)
         self._prefill = Prefill(self._acceptor, self.model_runner, server_seed, self.device, self._reserve)
         group = scheduler_group()  # None with one TP rank
@@ -101,8 +95,8 @@ class BastionWorker(DFlashWorkerV2):
             int(get_schedule().max_running_requests),
             DraftHead.of(target_worker.model_runner.model.lm_head, vocab_size, group),
             config.branching,
-            rewriter,
-            top_k,
+            seams.rewriter,
+            seams.top_k,
         )
         self._context = DraftContextWriter(self)  # drafter KV rows of width-1 steps
         self._page_size = int(get_schedule().page_size)
@@ -123,25 +117,6 @@ class BastionWorker(DFlashWorkerV2):
             config.branching,
             config.policy,
         )
-
-    def _draft_seams(
-        self, server_args: ServerArgs, vocab_size: int, sampling_backend: str
-    ) -> tuple[DraftLogitsRewriter | None, DraftTopKReader, Acceptor]:
-        """The draft rewriter (`BastionConfig.draft_proposer`), the draft's top-k reader and the accept stage;
-        with `synthetic_acceptance` the reader and the accept stage come from its profile."""
-        config, path = self.config, self.config.synthetic_acceptance
-        if path is None:
-            return load_draft_logits_rewriter(config), topk_logprobs, Acceptor(vocab_size, sampling_backend)
-        if int(server_args.tp_size) > 1:
-            raise ValueError(f"synthetic acceptance ({path}) draws on one rank; run it with --tp-size 1")
-        draft = SyntheticDraft(load_synthetic_profile(path))
-        logger.warning(
-            "BASTION: synthetic acceptance from %s (%s): tree steps accept by this profile, not by the "
-            "target; the output is not the target's (a speed benchmark only)",
-            path,
-            draft.profile.name,
-        )
-        return None, draft.top, SyntheticAcceptor(vocab_size, sampling_backend, draft)
 
     # ---- DFlashWorkerV2 parts BASTION replaces ---------------------------------------------------
 

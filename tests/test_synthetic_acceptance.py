@@ -21,7 +21,15 @@ import torch
 from bastion_sglang import kernels
 from bastion_sglang.calibration.rank_histogram import load_rank_histogram
 from bastion_sglang.controller.tree import build_tree, expected_accept_length
-from bastion_sglang.step.synthetic_acceptance import SyntheticDraft, synthetic_targets, true_tokens
+from bastion_sglang.integration.config import BastionConfig
+from bastion_sglang.step.accept import Acceptor
+from bastion_sglang.step.synthetic_acceptance import (
+    SyntheticAcceptor,
+    SyntheticDraft,
+    draft_seams,
+    synthetic_targets,
+    true_tokens,
+)
 from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile, load_synthetic_profile
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -33,6 +41,17 @@ DEPTH = 15
 
 def _profile(rows: list[list[float]]) -> SyntheticAcceptanceProfile:
     return SyntheticAcceptanceProfile(name="test", source="test", published_chain_tau=2.0, rank_probs=rows)
+
+
+def test_the_worker_seams_follow_the_config() -> None:
+    real = draft_seams(BastionConfig(), 1, 32, "pytorch")
+    assert real.rewriter is None and real.top_k is kernels.topk_logprobs
+    assert type(real.acceptor) is Acceptor
+    path = PROFILES / "qwen3-8b-dflash-b16-gsm8k.json"
+    synthetic = draft_seams(BastionConfig(synthetic_acceptance=path), 1, 32, "pytorch")
+    assert isinstance(synthetic.acceptor, SyntheticAcceptor) and synthetic.top_k is not kernels.topk_logprobs
+    with pytest.raises(ValueError, match=f"synthetic acceptance \\({path}\\) draws on one rank"):
+        draft_seams(BastionConfig(synthetic_acceptance=path), 2, 32, "pytorch")
 
 
 @pytest.mark.parametrize(

@@ -34,17 +34,27 @@ take row D.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from bastion_sglang import kernels
+from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.step.accept import Acceptor
-from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile
+from bastion_sglang.step.draft_protocols import (
+    DraftLogitsRewriter,
+    DraftTopKReader,
+    load_draft_logits_rewriter,
+)
+from bastion_sglang.step.synthetic_profile import SyntheticAcceptanceProfile, load_synthetic_profile
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
 
 TRUTH_STREAM = 0x5A17_C0DE_7E57_0001
 """XORed into the accept walk's keys: the truth's uniforms are a stream apart from the walk's own."""
@@ -156,3 +166,35 @@ class SyntheticAcceptor(Acceptor):
         uniforms = truth_uniforms(keys, prefix, horizon)
         truth = true_tokens(candidates, self._draft.q(horizon, tokens.device), uniforms)
         return synthetic_targets(truth, rows.depths, tokens), probs
+
+
+@dataclass(frozen=True)
+class DraftSeams:
+    """What the worker's draft and accept stages are built with: the draft rewriter
+    (`BastionConfig.draft_proposer`, None under synthetic acceptance), the reader of the top-k the tree search
+    plans on, and the accept stage."""
+
+    rewriter: DraftLogitsRewriter | None
+    top_k: DraftTopKReader
+    acceptor: Acceptor
+
+
+def draft_seams(config: BastionConfig, tp_size: int, vocab_size: int, sampling_backend: str) -> DraftSeams:
+    """The configured rewriter with `kernels.topk_logprobs` and `Acceptor`; with `synthetic_acceptance`, the
+    reader and the accept stage of its profile (`SyntheticDraft.top`, `SyntheticAcceptor`). Synthetic
+    acceptance draws on one rank: a `ValueError` with `tp_size` > 1."""
+    path = config.synthetic_acceptance
+    if path is None:
+        return DraftSeams(
+            load_draft_logits_rewriter(config), kernels.topk_logprobs, Acceptor(vocab_size, sampling_backend)
+        )
+    if tp_size > 1:
+        raise ValueError(f"synthetic acceptance ({path}) draws on one rank; run it with --tp-size 1")
+    draft = SyntheticDraft(load_synthetic_profile(path))
+    logger.warning(
+        "BASTION: synthetic acceptance from %s (%s): tree steps accept by this profile, not by the target; "
+        "the output is not the target's (a speed benchmark only)",
+        path,
+        draft.profile.name,
+    )
+    return DraftSeams(None, draft.top, SyntheticAcceptor(vocab_size, sampling_backend, draft))
