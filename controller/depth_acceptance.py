@@ -14,16 +14,25 @@ multiplies each depth's conditional by c_d, i.e. adds log c_d to the calibrated 
 (`shift_logprobs`, capped at probability 1 as the base map is), which keeps every sorted row sorted, so the
 best-first trees built on the shifted values stay exact for the scores the planner sums.
 
-Priors, so no depth is frozen. Each depth's ratio is a posterior mean with `prior_weight` pseudo-events at
-what its shallower neighbour's correction predicts, r_d = (R_d + k·r_{d-1}·c_{d-1}) / (P_d + k): a depth with
-no events takes the conditional correction of the deepest depth above it that has some (a drafter found
-three times better than mapped at depth 5 is taken to be at depth 6 too, until depth 6 says otherwise), so a
-map fitted where trees were shallow does not keep the deeper depths at its guess, and one with a few events
-moves by what they say. The ratio is measured against the BASE scores (computed beside the shifted ones), so
-the estimate is open loop: what the online map did to the trees does not feed back into it.
+Priors, so no depth is frozen, and pooled, so no depth is noisy alone. Each depth's ratio is a posterior mean
+with `prior_weight` pseudo-events at what the depth above and the pooled conditional c̄ predict, r_d = (R_d +
+k·r_{d-1}·c̄) / (P_d + k), and c̄ is the one conditional factor that, applied at every depth, accounts for the
+realised reaches of all depths together: Σ_d P_d·c̄^d + k'·c̄ = Σ_d R_d + k' (k' = `POOLED_PRIOR_WEIGHT`
+pseudo-events at c̄ = 1, so a map with no events is the base map). A depth with no events takes c̄, which
+every verified depth informs (a drafter found three times better than mapped at depths 1 to 5 is taken to be
+at depth 6 too, until depth 6 says otherwise), so a map fitted where trees were shallow does not keep the
+deeper depths at its guess. A depth with a few events leans on c̄, not on its own handful: with the prior at
+the depth above's own conditional instead, one unlucky run of misses at a deep depth (a few predicted reaches,
+each about 0.86 likely, none realised) marked it well below its truth, the trees then stopped above it and saw
+no events to correct it (`benchmarks/controller_synthetic.py`, synthetic GSM8K at B = 1, the demo pair's
+latency profile, 4 seeds: depths 13 to 15 at 0.57 to 0.86 where the truth was 0.93, Â 8 % below the trees'
+true expected length, adaptive at 12 nodes where 16 paid). The ratio is measured against the BASE scores
+(computed beside the shifted ones), so the estimate is open loop: what the online map did to the trees does
+not feed back into it.
 
 What it does not see. Events come only from depths the trees reach; a depth priced too low to be verified
-keeps its start-up map until a probe or a deeper tree verifies it (the gate's probes verify whole trees).
+keeps the start-up map times the pooled conditional until a probe or a deeper tree verifies it (the gate's
+probes verify whole trees).
 """
 
 from __future__ import annotations
@@ -36,20 +45,22 @@ import torch
 
 DEFAULT_DECAY = 0.98
 """Weight the sums keep per observed step (about 50 steps of memory)."""
-DEFAULT_PRIOR_WEIGHT = 8.0
-"""Pseudo-events (in predicted reaches) at the shallower depth's ratio. A step reaches a shallow depth about
-once per request, so the first few steps move a depth's ratio by about half of what they say, and a deep
-depth with a few events leans on the depth above. With one pseudo-event, one short accept at the start
-shifted depths 5 to 8 by -0.5 to -1.9 (a tenth of their probability), the trees then stopped above them, so
-they saw no events to correct it: on the CPU demo pair's bench (about 60 decode steps per Engine at
-concurrency 1) adaptive planned 10 nodes where 15 paid. Over 60 steps of the step controller alone
-(`benchmarks/controller_synthetic.py`, synthetic GSM8K and MT-Bench at B = 1, the demo pair's start-up
-latency profile, 8 seeds) adaptive's priced speedup rose from 0.88x to 0.97x the best fixed budget's on
-GSM8K and from 0.92x to 1.01x on MT-Bench (one seed in eight declined for good with one pseudo-event). More
-pseudo-events steady the start further but slow the map where the start-up map is far off: at 16, trees
-planned on a map three times too confident had not shrunk to the true map's within 30 steps."""
+DEFAULT_PRIOR_WEIGHT = 32.0
+"""Pseudo-events (in predicted reaches) of each depth at the depth above's ratio times c̄. A step reaches a
+shallow depth about once per request, so at concurrency 1 a depth's own events outweigh the prior after
+about 30 steps, and a deep depth with a handful leans on c̄, which moves with every verified depth's events.
+Over 60 steps of the step controller alone (`benchmarks/controller_synthetic.py`, synthetic GSM8K and
+MT-Bench at B = 1, the demo pair's start-up latency profile, 8 seeds), adaptive's priced speedup over the
+best fixed budget's was, with the prior at the depth above's own conditional (no c̄): 0.976x (GSM8K) and
+0.995x (MT-Bench) at 8 pseudo-events, 0.980x and 1.002x at 32; with c̄: 0.982x and 1.000x at 8, 0.993x and
+0.996x at 32, 0.996x and 0.999x at 64. With one pseudo-event and no c̄, one short accept at the start shifted
+depths 5 to 8 by -0.5 to -1.9 and the trees stopped above them for good."""
+POOLED_PRIOR_WEIGHT = 8.0
+"""Pseudo-events at c̄ = 1: c̄ weighs every depth's events, so a few steps move it."""
 SHIFT_BOUNDS = (math.log(1e-3), math.log(100.0))
-"""Range of log c_d, the per-depth shift of the calibrated log-probabilities."""
+"""Range of log c_d, the per-depth shift of the calibrated log-probabilities (and of log c̄)."""
+POOLED_ITERATIONS = 40
+"""Bisection steps for log c̄ over SHIFT_BOUNDS (an interval of 11.5 halved 40 times: 1e-11)."""
 
 
 class OnlineDepthMap:
@@ -89,15 +100,35 @@ class OnlineDepthMap:
         """Whether any depth is shifted (else the planner's scores are the base map's)."""
         return bool(self._shifts.any())
 
+    def pooled_conditional(self) -> float:
+        """c̄ (module docstring): the one conditional factor at every depth that turns the base map's predicted
+        reaches into the realised ones, with `prior_weight` pseudo-events at 1; within exp(SHIFT_BOUNDS)."""
+        powers = np.arange(1, self.depth + 1, dtype=np.float64)
+        realised = float(self._reached.sum()) + POOLED_PRIOR_WEIGHT
+
+        def excess(log_c: float) -> float:  # increasing in log_c
+            c = math.exp(log_c)
+            return float(self._predicted @ np.exp(powers * log_c)) + POOLED_PRIOR_WEIGHT * c - realised
+
+        low, high = SHIFT_BOUNDS
+        if excess(low) >= 0:
+            return math.exp(low)
+        if excess(high) <= 0:
+            return math.exp(high)
+        for _ in range(POOLED_ITERATIONS):
+            middle = 0.5 * (low + high)
+            low, high = (middle, high) if excess(middle) < 0 else (low, middle)
+        return math.exp(0.5 * (low + high))
+
     def reach_ratios(self) -> np.ndarray:
         """[D] float64 r_d = realised / predicted reaches of depth d under the base map, with the prior."""
+        pooled = self.pooled_conditional()
         ratios = np.empty(self.depth, dtype=np.float64)
-        previous, conditional = 1.0, 1.0
+        previous = 1.0
         for d in range(self.depth):
-            prior = previous * conditional
-            ratio = (self._reached[d] + self._prior * prior) / (self._predicted[d] + self._prior)
-            previous, conditional = ratio, ratio / previous
-            ratios[d] = ratio
+            prior = self._prior * previous * pooled
+            previous = (self._reached[d] + prior) / (self._predicted[d] + self._prior)
+            ratios[d] = previous
         return ratios
 
     def observe(self, predicted_reach: np.ndarray, accepted: Sequence[int]) -> None:
