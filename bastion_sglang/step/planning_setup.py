@@ -36,6 +36,7 @@ from bastion_sglang.controller.roofline import CPU_HARDWARE, HardwareSpec
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
 from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.step.step_controller import StepController
+from bastion_sglang.step.synthetic_profile import load_synthetic_profile, synthetic_startup_calibration
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -158,6 +159,23 @@ def planning_acceptance(resolved: ResolvedProfile, lattice_drafts: bool) -> Acce
     return calibration
 
 
+def synthetic_planning_acceptance(config: BastionConfig, depth: int) -> AcceptanceCalibration | None:
+    """The acceptance map of drafts under `BastionConfig.synthetic_acceptance` (D = `depth` positions): the
+    one start-up calibration fits on the seam's passes (`synthetic_profile.synthetic_startup_calibration`),
+    as it fits a real drafter's map on its passes; None (the drafter's stated probabilities) with
+    `--bastion-startup-calibration off`. Either way the online depth map corrects it."""
+    path = config.synthetic_acceptance
+    if path is None or config.startup_calibration == "off":
+        return None
+    calibration = synthetic_startup_calibration(load_synthetic_profile(path), depth)
+    logger.info(
+        "BASTION: synthetic acceptance: start-up acceptance map fitted on the profile's synthetic passes "
+        "(slopes %s)",
+        [round(slope, 2) for slope in calibration.slopes],
+    )
+    return calibration
+
+
 def worker_step_controller(
     config: BastionConfig,
     server_args: ServerArgs,
@@ -178,12 +196,13 @@ def worker_step_controller(
     drafter is a DFlash2 drafter, whose lattices are planned on the profile's acceptance calibration as
     top-K drafts are (`planning_acceptance`, `lattice_plan`). Under synthetic acceptance no stored map
     applies: maps are fitted on the real drafter's passes, and the synthetic drafter states other
-    probabilities; it plans on what the drafter states, corrected online (`controller.depth_acceptance`)."""
+    probabilities; it plans on the map fitted on the seam's own passes (`synthetic_planning_acceptance`),
+    corrected online (`controller.depth_acceptance`)."""
     resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
     if config.synthetic_acceptance is not None:
         logger.info(
-            "BASTION: synthetic acceptance: planning on the synthetic drafter's stated probabilities, "
-            "corrected online; no stored acceptance map applies to them"
+            "BASTION: synthetic acceptance: no stored acceptance map applies to the synthetic drafter's "
+            "stated probabilities"
         )
     latency, profile_costs = worker_latency_model(
         config, server_args, target_config, dtype, device, width_buckets, resolved
@@ -205,7 +224,7 @@ def worker_step_controller(
         policy=config.policy,
         budget=config.max_budget,
         horizon=DraftHorizon(depth) if config.policy.may_decline else DraftHorizon.full(depth),
-        acceptance=None
+        acceptance=synthetic_planning_acceptance(config, depth)
         if config.synthetic_acceptance is not None
         else planning_acceptance(resolved, lattice_drafts),
         branching=config.branching,
