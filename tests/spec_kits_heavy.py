@@ -8,7 +8,8 @@ that lane leaves out or shrinks, at SGLang's sizes:
 - SpecFeatureKit.test_constrained_decoding (a json_object chat reply without max_tokens: the demo target
   went past 900 tokens, at under 1 token/s on a loaded 2-core machine with a grammar on every tree node);
 - SpecFeatureKit.test_radix_attention on SGLang's 400-request tree and test_request_abort with SGLang's
-  fixture's 1,024 new tokens per surviving request.
+  fixture's 1,024 new tokens per surviving request;
+- SpecLogprobKit.test_logprob_mixed on SGLang's whole grid (112 requests of 200 to 2,000 prompt tokens).
 
 SpecFeatureKit.test_constrained_decoding runs here with the kit's request capped at CONSTRAINED_MAX_TOKENS and
 a different check. The kit asks for a `json_object` chat reply without `max_tokens` and parses it as JSON; the
@@ -66,7 +67,6 @@ class TestBastionSpecKitsHeavy(suite.BastionKitsBase):
     test_batch_generation = None
     test_first_token_finish = None
     test_logprob_start_len = None
-    test_logprob_mixed = None
     test_logprob_decode_match_prefill = None
     test_token_ids_logprob_ragged = None
     test_penalty_mixed = None
