@@ -56,7 +56,13 @@ best fixed budget's was, with the prior at the depth above's own conditional (no
 0.996x at 32, 0.996x and 0.999x at 64. With one pseudo-event and no c̄, one short accept at the start shifted
 depths 5 to 8 by -0.5 to -1.9 and the trees stopped above them for good."""
 POOLED_PRIOR_WEIGHT = 8.0
-"""Pseudo-events at c̄ = 1: c̄ weighs every depth's events, so a few steps move it."""
+"""Pseudo-events at c̄ = 1 over raw drafter probabilities: c̄ weighs every depth's events, so a few steps move
+it."""
+CALIBRATED_POOLED_PRIOR_WEIGHT = 32.0
+"""Pseudo-events at c̄ = 1 over a fitted acceptance map (hundreds of drafter passes): one step of a 15-node
+chain predicts about six reaches, and with 8 one short accept moved c̄ from 1 to 0.87, which halves a
+chain's deep nodes. At 64, a map fitted on text three times harder than the served one held its trees at 6.4
+nodes where 8 paid after 60 steps (`tests/test_depth_acceptance.py`)."""
 SHIFT_BOUNDS = (math.log(1e-3), math.log(100.0))
 """Range of log c_d, the per-depth shift of the calibrated log-probabilities (and of log c̄)."""
 POOLED_ITERATIONS = 40
@@ -68,7 +74,11 @@ class OnlineDepthMap:
     positions."""
 
     def __init__(
-        self, depth: int, decay: float = DEFAULT_DECAY, prior_weight: float = DEFAULT_PRIOR_WEIGHT
+        self,
+        depth: int,
+        decay: float = DEFAULT_DECAY,
+        prior_weight: float = DEFAULT_PRIOR_WEIGHT,
+        pooled_prior_weight: float = POOLED_PRIOR_WEIGHT,
     ) -> None:
         if depth < 1:
             raise ValueError(f"the drafter must propose at least one position, got depth {depth}")
@@ -76,9 +86,12 @@ class OnlineDepthMap:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         if not prior_weight > 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        if not pooled_prior_weight > 0:
+            raise ValueError(f"pooled_prior_weight must be > 0, got {pooled_prior_weight!r}")
         self.depth = depth
         self._decay = decay
         self._prior = prior_weight
+        self._pooled_prior = pooled_prior_weight
         self._predicted = np.zeros(depth, dtype=np.float64)  # [D] Σ predicted reaches of depth d
         self._reached = np.zeros(depth, dtype=np.float64)  # [D] Σ realised reaches of depth d
         self._shifts = np.zeros(depth, dtype=np.float64)
@@ -102,13 +115,14 @@ class OnlineDepthMap:
 
     def pooled_conditional(self) -> float:
         """c̄ (module docstring): the one conditional factor at every depth that turns the base map's predicted
-        reaches into the realised ones, with `prior_weight` pseudo-events at 1; within exp(SHIFT_BOUNDS)."""
+        reaches into the realised ones, with `pooled_prior_weight` pseudo-events at 1; within
+        exp(SHIFT_BOUNDS)."""
         powers = np.arange(1, self.depth + 1, dtype=np.float64)
-        realised = float(self._reached.sum()) + POOLED_PRIOR_WEIGHT
+        realised = float(self._reached.sum()) + self._pooled_prior
 
         def excess(log_c: float) -> float:  # increasing in log_c
             c = math.exp(log_c)
-            return float(self._predicted @ np.exp(powers * log_c)) + POOLED_PRIOR_WEIGHT * c - realised
+            return float(self._predicted @ np.exp(powers * log_c)) + self._pooled_prior * c - realised
 
         low, high = SHIFT_BOUNDS
         if excess(low) >= 0:

@@ -238,3 +238,19 @@ def test_a_deep_depth_with_a_few_misses_does_not_stop_the_trees() -> None:
     assert np.mean(nodes) >= 13.5, np.mean(nodes)
     assert sum(n >= depth for n in nodes) >= len(nodes) / 3, nodes
     assert abs(sum(planned) / sum(true) - 1.0) <= 0.04, sum(planned) / sum(true)
+
+
+def test_a_fitted_map_is_not_overruled_by_the_first_short_accepts() -> None:
+    """The start-up map is right (the drafter states 0.9, the text accepts 0.86 and the map says so), and
+    each request's first steps accept what they happen to. With the online corrections starting from
+    nothing (the bare ratio of the first steps, 8 pseudo-events for the pooled conditional), a few short
+    accepts halved Â: over 16 requests of 12 steps, each request's lowest Â over its tree's true expected
+    length averaged 0.70. With the map weighed as evidence (`CALIBRATED_PRIOR_WEIGHT`,
+    `CALIBRATED_POOLED_PRIOR_WEIGHT`) it averages at least 0.75."""
+    depth = 15
+    true_map = AcceptanceCalibration(slopes=[1.0], offsets=[math.log(0.86 / 0.9)], events=[1000])
+    lowest = []
+    for seed in range(16):
+        served = _serve(_controller(true_map, depth), 0.86, 12, seed=300 + seed, depth=depth)
+        lowest.append(min(p / t for p, t in zip(served.planned, served.true, strict=True)))
+    assert np.mean(lowest) >= 0.75, np.round(lowest, 2).tolist()

@@ -30,13 +30,20 @@ import numpy as np
 import torch
 
 from bastion_sglang.controller.acceptance import (
+    CALIBRATED_PRIOR_WEIGHT,
     AcceptanceCalibration,
     AcceptanceTracker,
     best_accept_curve,
     node_log_scores,
 )
 from bastion_sglang.controller.batched import DraftTreeBatch, build_trees_auto_unchecked
-from bastion_sglang.controller.depth_acceptance import OnlineDepthMap, depth_reach, shift_logprobs
+from bastion_sglang.controller.depth_acceptance import (
+    CALIBRATED_POOLED_PRIOR_WEIGHT,
+    POOLED_PRIOR_WEIGHT,
+    OnlineDepthMap,
+    depth_reach,
+    shift_logprobs,
+)
 from bastion_sglang.controller.gate import (
     DraftedStep,
     DraftEvidence,
@@ -240,10 +247,14 @@ class StepController:
         self.fixed_costs = fixed_costs
         self.gate = SpeculationGate()
         self._branching = branching
-        self.depth_map = OnlineDepthMap(horizon.depth)
+        calibrated = acceptance is not None  # a fitted map is evidence the first steps must not overrule
+        pooled_prior = CALIBRATED_POOLED_PRIOR_WEIGHT if calibrated else POOLED_PRIOR_WEIGHT
+        self.depth_map = OnlineDepthMap(horizon.depth, pooled_prior_weight=pooled_prior)
         self._bounds: dict[tuple[int, int], tuple[int, SpeculationCeiling]] = {}  # (B, context bucket)
         self.evidence = DraftEvidence()  # what the recent drafted steps said of their text
-        self.acceptance_tracker = AcceptanceTracker(depth=horizon.depth)
+        self.acceptance_tracker = AcceptanceTracker(
+            depth=horizon.depth, prior_weight=CALIBRATED_PRIOR_WEIGHT if calibrated else 0.0
+        )
         self.timer: StageTimer[StepRecord] = StageTimer(device)
         self._pending: deque[PendingStep] = deque(maxlen=PENDING_STEPS)  # oldest first
         self._speedups = SpeedupLedger()
