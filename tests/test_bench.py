@@ -44,20 +44,21 @@ from bastion_sglang.bench.histograms import (
     HistogramTotals,
     WorkerTotals,
 )
-from bastion_sglang.bench.measure import Measured, TemperatureRun, repeat_measurement
+from bastion_sglang.bench.measure import Measured, TemperatureRun, repeat_measurement, sampling_params
 from bastion_sglang.bench.output import PLOT_NAME, REPORT_NAME, summary_line
 from bastion_sglang.bench.plan import (
     CONTROL,
     DEFAULT_MAX_BUDGET,
     DEFAULT_POLICIES,
     BenchPolicy,
+    BenchSettings,
     named_sets,
     parse_policies,
     plan_from_args,
     repeat_order,
 )
 from bastion_sglang.bench.report import BenchReport, BenchRow, RepeatMeasurement, Spread
-from bastion_sglang.bench.run import batch_bounds, rotated
+from bastion_sglang.bench.run import WARMUP_BATCH_TOKENS, batch_bounds, rotated, warm_up_params
 from bastion_sglang.bench.streaming import (
     ChunkArrival,
     DecodeTiming,
@@ -789,3 +790,24 @@ def test_report_requires_one_order_per_repeat_running_every_policy() -> None:
         BenchReport.model_validate({**report, "repeat_orders": (("ar", "chain"),)})
     with pytest.raises(ValidationError, match="does not run each of"):
         BenchReport.model_validate({**report, "repeat_orders": (("ar", "chain"), ("chain", "chain"))})
+
+
+def test_each_repeats_warm_up_draws_seeds_of_its_own() -> None:
+    """The warm-up's steps feed the controller's online corrections: each repeat's warm-up takes seeds of its
+    own (under synthetic acceptance, its own continuations), none of them a measured request's."""
+    settings = BenchSettings.model_validate(
+        {
+            "model_path": "m", "draft_model_path": "d", "prompts": "p.jsonl", "split": "all",
+            "num_prompts": 3, "concurrency": 1, "max_new_tokens": 4, "ignore_eos": True,
+            "temperatures": (0.0,), "policies": ("chain",), "repeats": 3, "max_budget": 8, "device": "cpu",
+            "attention_backend": "torch_native", "dtype": "float32", "seed": 7,
+            "synthetic_acceptance": "profile.json",
+        }
+    )  # fmt: skip
+    repeats = range(1, settings.repeats + 1)
+    measured = {p["sampling_seed"] for r in repeats for p in sampling_params(settings, 0.0, r)}
+    warm = [[p["sampling_seed"] for p in warm_up_params(settings, 0.0, r)] for r in repeats]
+    assert len(measured) == 9 and all(len(seeds) == 3 for seeds in warm)
+    assert len({seed for seeds in warm for seed in seeds}) == 9  # one set per repeat
+    assert not measured & {seed for seeds in warm for seed in seeds}
+    assert all(p["max_new_tokens"] == WARMUP_BATCH_TOKENS for p in warm_up_params(settings, 0.0, 1))

@@ -57,7 +57,8 @@ class Measured:
 
 
 def sampling_params(settings: BenchSettings, temperature: float, repeat: int) -> list[dict[str, Any]]:
-    """Per prompt: its sampling parameters at `temperature` in repeat `repeat` (1.., 0 for the warm-up).
+    """Per prompt: its sampling parameters at `temperature` in repeat `repeat` (1..R; R + r for the warm-up
+    of repeat r, `run.warm_up`).
     Request i samples with seed + repeat · N + i (N prompts) when T > 0 or under synthetic acceptance, whose
     true continuations are keyed by the request's seed: every policy of a repeat meets the same draws, and
     each repeat new ones."""

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from multiprocessing.context import SpawnContext
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 from bastion_sglang.bench.aggregate import make_row, summarize, with_speedups
 from bastion_sglang.bench.measure import Measurement, TemperatureRun, sampling_params
-from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, repeat_order
+from bastion_sglang.bench.plan import BenchPlan, BenchPolicy, BenchSettings, repeat_order
 from bastion_sglang.bench.report import BenchReport
 from bastion_sglang.bench.server import PolicyServer
 
@@ -78,7 +78,7 @@ def run_group(
             folder = scratch / f"repeat{repeat}-policy{plan.policies.index(policy)}"
             label = f"{policy.name} (repeat {repeat})"
             servers.append(PolicyServer.start(context, plan, policy, label, folder))
-        warm_up(plan, servers)
+        warm_up(plan, servers, repeat)
         for temperature in settings.temperatures:
             params = sampling_params(settings, temperature, repeat)
             measurements = {s.policy.name: Measurement.begin(s.policy, s.metrics_dir) for s in servers}
@@ -114,16 +114,26 @@ def run_group(
     return runs
 
 
-def warm_up(plan: BenchPlan, servers: Sequence[PolicyServer]) -> None:
+def warm_up_params(settings: BenchSettings, temperature: float, repeat: int) -> tuple[dict[str, Any], ...]:
+    """Per prompt: the warm-up's sampling parameters at `temperature` before repeat `repeat` (`warm_up`):
+    those of repeat R + r, with `WARMUP_BATCH_TOKENS` new tokens and EOS ignored."""
+    return tuple(
+        {**request, "max_new_tokens": WARMUP_BATCH_TOKENS, "ignore_eos": True}
+        for request in sampling_params(settings, temperature, settings.repeats + repeat)
+    )
+
+
+def warm_up(plan: BenchPlan, servers: Sequence[PolicyServer], repeat: int) -> None:
     """Each server, in turn, streams the first batch of the plan's prompts once per temperature with
-    `WARMUP_BATCH_TOKENS` new tokens each (EOS ignored); nothing of it is measured."""
+    `WARMUP_BATCH_TOKENS` new tokens each (EOS ignored); nothing of it is measured. Seeded requests of the
+    warm-up of repeat r (1..R) take the seeds of repeat R + r, apart from every measured one: the warm-up's
+    steps feed the controller's online corrections, and with one warm-up draw for every Engine of every
+    repeat (under synthetic acceptance, the same continuation) each run began from the same lucky or unlucky
+    start."""
     settings = plan.settings
     end = min(settings.concurrency, len(plan.prompt_ids))
     for temperature in settings.temperatures:
-        params = tuple(
-            {**request, "max_new_tokens": WARMUP_BATCH_TOKENS, "ignore_eos": True}
-            for request in sampling_params(settings, temperature, repeat=0)[:end]
-        )
+        params = warm_up_params(settings, temperature, repeat)[:end]
         for server in servers:
             server.stream(0, end, params)
     for server in servers:
