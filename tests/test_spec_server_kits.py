@@ -259,12 +259,12 @@ class BastionKitsBase(
     def test_logprob_mixed(self) -> None:
         """The kit's test, its longer prompts kept to the ones whose logprobs start at the prompt's end (the
         lane's `logprob_mixed_full_input_len`)."""
-        full = self.logprob_mixed_full_input_len
+        full, run = self.logprob_mixed_full_input_len, kits.run_logprob_check
 
         def check(test: object, arg: tuple) -> None:
             input_len, logprob_start_len = arg[0], arg[3]
             if input_len <= full or logprob_start_len == input_len - 2:
-                kits.run_logprob_check(test, arg)
+                run(test, arg)
 
         with mock.patch.object(kits, "run_logprob_check", check):
             super().test_logprob_mixed()
