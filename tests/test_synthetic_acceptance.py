@@ -28,13 +28,13 @@ from bastion_sglang.step.synthetic_acceptance import (
     SyntheticAcceptor,
     SyntheticDraft,
     draft_seams,
+    synthetic_startup_calibration,
     synthetic_targets,
     true_tokens,
 )
 from bastion_sglang.step.synthetic_profile import (
     SyntheticAcceptanceProfile,
     load_synthetic_profile,
-    synthetic_startup_calibration,
 )
 
 REPOSITORY = Path(__file__).resolve().parents[1]

@@ -36,7 +36,8 @@ from bastion_sglang.controller.roofline import CPU_HARDWARE, HardwareSpec
 from bastion_sglang.controller.step_costs import COLD_STEPS, StepCostTracker, draft_seconds_per_request
 from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.step.step_controller import StepController
-from bastion_sglang.step.synthetic_profile import load_synthetic_profile, synthetic_startup_calibration
+from bastion_sglang.step.synthetic_acceptance import synthetic_startup_calibration
+from bastion_sglang.step.synthetic_profile import load_synthetic_profile
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -161,7 +162,7 @@ def planning_acceptance(resolved: ResolvedProfile, lattice_drafts: bool) -> Acce
 
 def synthetic_planning_acceptance(config: BastionConfig, depth: int) -> AcceptanceCalibration | None:
     """The acceptance map of drafts under `BastionConfig.synthetic_acceptance` (D = `depth` positions): the
-    one start-up calibration fits on the seam's passes (`synthetic_profile.synthetic_startup_calibration`),
+    one start-up calibration fits on the seam's passes (`synthetic_acceptance.synthetic_startup_calibration`),
     as it fits a real drafter's map on its passes; None (the drafter's stated probabilities) with
     `--bastion-startup-calibration off`. Either way the online depth map corrects it."""
     path = config.synthetic_acceptance

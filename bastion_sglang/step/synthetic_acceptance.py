@@ -38,9 +38,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from bastion_sglang import kernels
+from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceRecord, fit_acceptance
 from bastion_sglang.integration.config import BastionConfig
 from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.step.accept import Acceptor
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 TRUTH_STREAM = 0x5A17_C0DE_7E57_0001
 """XORed into the accept walk's keys: the truth's uniforms are a stream apart from the walk's own."""
+STARTUP_PASSES = 768
+"""Synthetic drafter passes the start-up acceptance map is fitted on: as many as quick start-up calibration
+records on a real drafter (24 prompts x 32 roots, `calibration.startup`). About 0.6 s on the 2-core CPU."""
 REST_FLOOR = 1e-9
 """Smallest probability mass left to the tokens outside the profile's candidates (keeps the logits finite)."""
 
@@ -120,6 +125,29 @@ def true_tokens(candidates: torch.Tensor, q: torch.Tensor, uniforms: torch.Tenso
     taken = (candidates[..., None, :] == ids[:, None]).any(-1)  # [B, h, K_p + 1]
     outside = ids[(~taken).to(torch.int8).argmax(-1)]  # [B, h] the first free id
     return torch.where(rank < width, picked, outside)
+
+
+def synthetic_passes(
+    profile: SyntheticAcceptanceProfile, depth: int, passes: int, seed: int = 0
+) -> list[AcceptanceRecord]:
+    """`passes` drafter passes of `depth` positions as the seam makes them: at every position the drafter
+    states `stated_probs` for its candidates (token id = rank, 0..K_p - 1), and the target's token is the
+    seam's (`true_tokens`) for a uniform drawn per position from a generator seeded by `seed`."""
+    stated, _ = profile.stated_probs(depth)  # [D, K_p]
+    ranks = stated.shape[1]
+    ids = torch.arange(ranks).expand(depth, ranks)
+    uniforms = torch.from_numpy(np.random.default_rng(seed).random((passes, depth)))  # [passes, D]
+    tokens = true_tokens(ids.expand(passes, depth, ranks), profile.probs(depth), uniforms)  # [passes, D]
+    logprobs = stated.float().clamp_min(torch.finfo(torch.float32).tiny).log()
+    return [AcceptanceRecord(logprobs, ids, tuple(row)) for row in tokens.tolist()]
+
+
+def synthetic_startup_calibration(
+    profile: SyntheticAcceptanceProfile, depth: int, passes: int = STARTUP_PASSES
+) -> AcceptanceCalibration:
+    """The acceptance map a start-up calibration fits on drafts under this profile (`fit_acceptance` on
+    `synthetic_passes`): what the seam's passes would show it, without running them."""
+    return fit_acceptance(synthetic_passes(profile, depth, passes), depth)
 
 
 def truth_uniforms(keys: torch.Tensor, prefix: torch.Tensor, horizon: int) -> torch.Tensor:

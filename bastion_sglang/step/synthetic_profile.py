@@ -12,15 +12,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from bastion_sglang.controller.acceptance import AcceptanceCalibration, AcceptanceRecord, fit_acceptance
-
-STARTUP_PASSES = 768
-"""Synthetic drafter passes the start-up acceptance map is fitted on: as many as quick start-up calibration
-records on a real drafter (24 prompts x 32 roots, `calibration.startup`). About 0.6 s on the 2-core CPU."""
 DEFAULT_DRAFTER_TEMPERATURE = 0.8
 """The stated probabilities' temperature when a profile names none: over-confident, so the start-up and online
 acceptance calibrations have a difference to find (at 0.8 the GSM8K profile's stated chain Â over 15 positions
@@ -100,34 +94,6 @@ class SyntheticAcceptanceProfile(BaseModel):
         it: 1 + Σ_d Π_{j<=d} p_j(rank 0), the raw Â a planner reads off the stated probabilities."""
         stated, _ = self.stated_probs(depth)
         return 1.0 + float(stated[:, 0].cumprod(0).sum())
-
-
-def synthetic_passes(
-    profile: SyntheticAcceptanceProfile, depth: int, passes: int, seed: int = 0
-) -> list[AcceptanceRecord]:
-    """`passes` drafter passes of `depth` positions as the seam makes them: at every position the drafter
-    states `stated_probs` for its candidates (token id = rank, 0..K_p - 1), and the target's token is rank k
-    with probability q[d, k] or, with the rest, a token that is no candidate (-1), drawn independently per
-    position from a generator seeded by `seed`."""
-    stated, _ = profile.stated_probs(depth)  # [D, K_p]
-    q = profile.probs(depth).numpy()  # [D, K_p]
-    ranks = q.shape[1]
-    outcomes = np.concatenate([q, (1.0 - q.sum(axis=1, keepdims=True)).clip(min=0.0)], axis=1)  # [D, K_p + 1]
-    cumulative = np.cumsum(outcomes / outcomes.sum(axis=1, keepdims=True), axis=1)
-    draws = np.random.default_rng(seed).random((passes, depth))  # [passes, D]
-    chosen = (draws[:, :, None] >= cumulative[None, :, :-1]).sum(axis=2)  # [passes, D] rank, K_p: none
-    tokens = np.where(chosen < ranks, chosen, -1)
-    logprobs = stated.float().clamp_min(torch.finfo(torch.float32).tiny).log()
-    ids = torch.arange(ranks).expand(depth, ranks)
-    return [AcceptanceRecord(logprobs, ids, tuple(int(t) for t in row)) for row in tokens]
-
-
-def synthetic_startup_calibration(
-    profile: SyntheticAcceptanceProfile, depth: int, passes: int = STARTUP_PASSES
-) -> AcceptanceCalibration:
-    """The acceptance map a start-up calibration fits on drafts under this profile (`fit_acceptance` on
-    `synthetic_passes`): what the seam's passes would show it, without running them."""
-    return fit_acceptance(synthetic_passes(profile, depth, passes), depth)
 
 
 def load_synthetic_profile(path: Path) -> SyntheticAcceptanceProfile:
