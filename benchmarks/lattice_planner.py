@@ -1,17 +1,21 @@
-"""Planning time of DFlash2 lattice trees for a batch: the batched search against the heap, on the host.
+"""Planning time of DFlash2 lattice trees for a batch on the host: `build_lattice_trees` end to end, its two
+node searches alone, and the Python heap it is tested against.
 
     python benchmarks/lattice_planner.py --out lattice_planner.json [--batch 32] [--budgets 32 64 256]
         [--scales 1 3 6] [--repeats 30] [--threads 1]
 
 Cases: B lattices of D = 16 slots and K = 8 candidates (DFlash's default topk), selector log-probs of random
 scores times `scale` (1: flat rows, bushy trees; 6: peaked rows, deep trees), slot 0's rows one row as
-SGLang's; every budget. Per case, `build_lattice_trees` (the batched search of `controller.lattice_batched`)
-and `build_lattice_trees_by_heap` (the heap, row by row) are timed in turns, one call each per round, after a
-warm-up and a check that both return the same trees. Both are measured in process CPU time
+SGLang's; every budget. Per case, in turns, one call each per round, after a warm-up and a check that all
+return the same nodes:
+- `build_lattice_trees` (what the worker calls: the capped lattice to the host, the node search, the
+  stacked trees), whose search is the compiled heap of `controller.lattice_heap` where Numba imports;
+- the compiled heap alone (`best_first_by_compiled_heap` on the host lattice);
+- the numpy threshold search alone (`lattice_batched.best_first_batch`: the search where Numba is missing);
+- `build_lattice_trees_by_heap` (the Python heap, row by row). Both are measured in process CPU time
 (`time.process_time`), which a busy shared host disturbs less than wall time, and in wall time. Prints the
-median, 10th and 90th percentile milliseconds per call and the heap's median over the batched one, and writes
-them as JSON. Nothing is asserted: the figures are for reading; the goal is GOAL_MS per call at B = 32 and
-256 nodes.
+median, 10th and 90th percentile milliseconds per call, and writes them as JSON. Nothing is asserted: the
+figures are for reading; the goal is GOAL_MS per `build_lattice_trees` call at B = 32 and 256 nodes.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel
 
+from bastion_sglang.controller.lattice_batched import best_first_batch
+from bastion_sglang.controller.lattice_heap import best_first_by_compiled_heap
 from bastion_sglang.controller.lattice_tree import (
     build_lattice_trees,
     build_lattice_trees_by_heap,
@@ -49,13 +56,16 @@ class Timing(BaseModel):
 
 
 class Row(BaseModel):
+    """One case: process CPU time per call of each builder, and wall time of the end-to-end ones."""
+
     scale: float
     budget: int
-    batched_cpu: Timing
-    heap_cpu: Timing
-    batched_wall: Timing
-    heap_wall: Timing
-    heap_over_batched_cpu: float
+    trees_cpu: Timing
+    compiled_heap_cpu: Timing
+    numpy_search_cpu: Timing
+    python_heap_cpu: Timing
+    trees_wall: Timing
+    python_heap_wall: Timing
 
 
 class Report(BaseModel):
@@ -107,18 +117,23 @@ def measure(calls: list[Callable[[], object]], repeats: int) -> list[tuple[list[
 
 def case(batch: int, scale: float, budget: int, repeats: int, seed: int) -> Row:
     lattice, ids = lattices(batch, scale, seed)
-    batched, heap = (
-        build_lattice_trees(lattice, ids, budget),
-        build_lattice_trees_by_heap(lattice, ids, budget),
-    )
+    values = lattice.to(torch.float64).numpy()
+    trees, heap = build_lattice_trees(lattice, ids, budget), build_lattice_trees_by_heap(lattice, ids, budget)
     for field in ("tokens", "parents", "depths", "log_scores"):
-        if not torch.equal(getattr(batched, field), getattr(heap, field)):
-            raise RuntimeError(
-                f"the batched trees differ from the heap's in {field} (scale {scale}, {budget})"
-            )
-    (batched_cpu, batched_wall), (heap_cpu, heap_wall) = measure(
+        if not torch.equal(getattr(trees, field), getattr(heap, field)):
+            raise RuntimeError(f"the trees differ from the heap's in {field} (scale {scale}, {budget})")
+    compiled, searched = (
+        best_first_by_compiled_heap(values, None, budget),
+        best_first_batch(values, None, budget),
+    )
+    for field in ("scores", "parents", "depths", "candidates"):
+        if not np.array_equal(getattr(compiled, field), getattr(searched, field)):
+            raise RuntimeError(f"the two searches differ in {field} (scale {scale}, {budget})")
+    (trees_cpu, trees_wall), (compiled_cpu, _), (numpy_cpu, _), (heap_cpu, heap_wall) = measure(
         [
             lambda: build_lattice_trees(lattice, ids, budget),
+            lambda: best_first_by_compiled_heap(values, None, budget),
+            lambda: best_first_batch(values, None, budget),
             lambda: build_lattice_trees_by_heap(lattice, ids, budget),
         ],
         repeats,
@@ -126,11 +141,12 @@ def case(batch: int, scale: float, budget: int, repeats: int, seed: int) -> Row:
     return Row(
         scale=scale,
         budget=budget,
-        batched_cpu=timing(batched_cpu),
-        heap_cpu=timing(heap_cpu),
-        batched_wall=timing(batched_wall),
-        heap_wall=timing(heap_wall),
-        heap_over_batched_cpu=statistics.median(heap_cpu) / statistics.median(batched_cpu),
+        trees_cpu=timing(trees_cpu),
+        compiled_heap_cpu=timing(compiled_cpu),
+        numpy_search_cpu=timing(numpy_cpu),
+        python_heap_cpu=timing(heap_cpu),
+        trees_wall=timing(trees_wall),
+        python_heap_wall=timing(heap_wall),
     )
 
 
@@ -152,23 +168,27 @@ def print_report(result: Report) -> None:
         f"torch {result.torch_version} ({result.torch_threads} threads), commit {result.commit}; "
         f"B = {result.batch}, D = {result.depths}, K = {result.width}, {result.repeats} rounds"
     )
-    heading = (
-        "scale",
-        "budget",
-        "batched cpu ms (p10-p90)",
-        "heap cpu ms (p10-p90)",
-        "heap/batched",
-        "wall ms",
-    )
-    print("{:>5} {:>6} {:>26} {:>26} {:>12} {:>18}".format(*heading))
+    heading = ("scale", "budget", "trees", "compiled heap", "numpy search", "python heap", "trees wall")
+    print("{:>5} {:>6} {:>20} {:>20} {:>20} {:>20} {:>10}".format(*heading))
+
+    def cell(value: Timing) -> str:
+        return f"{value.median_ms:.3f} ({value.p10_ms:.2f}-{value.p90_ms:.2f})"
+
     for r in result.rows:
-        batched = f"{r.batched_cpu.median_ms:.2f} ({r.batched_cpu.p10_ms:.2f}-{r.batched_cpu.p90_ms:.2f})"
-        heap = f"{r.heap_cpu.median_ms:.2f} ({r.heap_cpu.p10_ms:.2f}-{r.heap_cpu.p90_ms:.2f})"
-        wall = f"{r.batched_wall.median_ms:.2f} / {r.heap_wall.median_ms:.2f}"
-        print(
-            f"{r.scale:>5} {r.budget:>6} {batched:>26} {heap:>26} {r.heap_over_batched_cpu:>12.2f} {wall:>18}"
+        cells = (
+            cell(r.trees_cpu),
+            cell(r.compiled_heap_cpu),
+            cell(r.numpy_search_cpu),
+            cell(r.python_heap_cpu),
         )
-    print(f"goal: {GOAL_MS} ms per call at B = 32 and 256 nodes (batched cpu median)")
+        print(
+            f"{r.scale:>5} {r.budget:>6} "
+            + " ".join(f"{c:>20}" for c in cells)
+            + f" {r.trees_wall.median_ms:>10.3f}"
+        )
+    print(
+        f"CPU ms per call, median (p10-p90); goal: {GOAL_MS} ms per build_lattice_trees at B = 32, 256 nodes"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

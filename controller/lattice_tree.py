@@ -46,7 +46,7 @@ drafter's probability of its tokens with every slot's mass outside the candidate
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -54,7 +54,7 @@ import torch
 
 from bastion_sglang.controller.batched import DraftTreeBatch, lattice_size
 from bastion_sglang.controller.fast_tree import host_draft, host_drafts
-from bastion_sglang.controller.lattice_batched import best_first_batch, rank_rows
+from bastion_sglang.controller.lattice_batched import LatticeNodes, best_first_batch, rank_rows
 from bastion_sglang.controller.tree import ROOT, DraftTree, validate_budget
 
 
@@ -412,10 +412,23 @@ def _stacked_trees(
     return trees.to_device(lattice_logprobs.device)
 
 
+def batch_search(
+    depth_count: int, width: int
+) -> Callable[[np.ndarray, np.ndarray | None, int], LatticeNodes]:
+    """How `build_lattice_trees` finds every request's nodes for [B, D, K, K] lattices: the compiled heap of
+    `lattice_heap` where Numba imports and the rank keys fit, else the threshold search of `lattice_batched`
+    (the same trees, bit for bit)."""
+    try:
+        from bastion_sglang.controller.lattice_heap import best_first_by_compiled_heap, keys_fit
+    except ImportError:  # no Numba (a trimmed bundle)
+        return best_first_batch
+    return best_first_by_compiled_heap if keys_fit(depth_count, width) else best_first_batch
+
+
 def _batch_trees(values: np.ndarray, ties: np.ndarray | None, ids: np.ndarray, nodes: int) -> DraftTreeBatch:
-    """The host DraftTreeBatch of `lattice_batched.best_first_batch` on checked host lattices: values [B, D,
+    """The host DraftTreeBatch of `batch_search`'s nodes on checked host lattices: values [B, D,
     K, K] float64, ties None or the same, ids [B, D, K] int64, n nodes per row."""
-    found = best_first_batch(values, ties, nodes)
+    found = batch_search(*values.shape[1:3])(values, ties, nodes)
     rows = np.arange(values.shape[0])[:, None]
     tokens = ids[rows, np.maximum(found.depths - 1, 0), found.candidates]  # [B, n]
     fields = (tokens, found.parents, found.depths)

@@ -1,20 +1,30 @@
 """build_lattice_tree against brute force and an explicit sort of every node, build_tree on independent
 positions, DFlash2's greedy walk, and selector_logprobs against SGLang's sample_path softmax; the batched
-search of build_lattice_trees against the heap; ties broken by raw transitions; the in-candidate mass
-weighting against a brute force that counts the drafter's mass outside the candidates."""
+searches of build_lattice_trees (the compiled heap, the numpy threshold search) against the heap; ties
+broken by raw transitions; the in-candidate mass weighting against a brute force that counts the drafter's
+mass outside the candidates."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bastion_sglang.controller import lattice_tree
 from bastion_sglang.controller.batched import DraftTreeBatch
+from bastion_sglang.controller.lattice_batched import LatticeNodes, best_first_batch
+from bastion_sglang.controller.lattice_heap import best_first_by_compiled_heap
 from bastion_sglang.controller.lattice_tree import (
+    batch_search,
     build_lattice_tree,
     build_lattice_trees,
     build_lattice_trees_by_heap,
@@ -26,6 +36,19 @@ from bastion_sglang.controller.lattice_tree import (
 from bastion_sglang.controller.tree import ROOT, DraftTree, build_tree, expected_accept_length
 
 KINDS = ["smooth", "ties", "inf"]
+Search = Callable[[np.ndarray, np.ndarray | None, int], LatticeNodes]
+SEARCHES = {"compiled heap": best_first_by_compiled_heap, "numpy search": best_first_batch}
+"""The two ways build_lattice_trees finds a batch's nodes (`lattice_tree.batch_search`); each must return the
+heap's trees."""
+
+
+@contextmanager
+def searching_by(search: Search) -> Iterator[None]:
+    """build_lattice_trees finds nodes by `search` within the block."""
+    with mock.patch.object(lattice_tree, "batch_search", lambda depth_count, width: search):
+        yield
+
+
 Path = tuple[int, ...]
 """A node: its candidate path (c_1, .., c_d), c_j a candidate of slot j - 1."""
 
@@ -423,7 +446,9 @@ def random_batch(
     kinds=st.lists(st.sampled_from(["smooth", "ties", "inf", "zeros"]), min_size=1, max_size=4),
     with_ties=st.booleans(),
 )
+@pytest.mark.parametrize("search", SEARCHES.values(), ids=SEARCHES.keys())
 def test_batched_trees_are_the_heaps(
+    search: Search,
     seed: int,
     batch: int,
     depth: int,
@@ -438,26 +463,29 @@ def test_batched_trees_are_the_heaps(
     generator = torch.Generator().manual_seed(seed)
     lattices, ids = random_batch(generator, batch, depth, width, kinds)
     ties = random_batch(generator, batch, depth, width, ["ties"])[0] if with_ties else None
-    got = build_lattice_trees(lattices, ids, budget, branching, ties=ties)
+    with searching_by(search):
+        got = build_lattice_trees(lattices, ids, budget, branching, ties=ties)
     want = build_lattice_trees_by_heap(lattices, ids, budget, branching, ties=ties)
     assert_same_trees(got, want, (seed, batch, depth, width, budget, branching, kinds))
 
 
+@pytest.mark.parametrize("search", SEARCHES.values(), ids=SEARCHES.keys())
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0, 6.0, 12.0])
 @pytest.mark.parametrize("budget", [1, 32, 64, 256, 1024])
-def test_batched_trees_are_the_heaps_at_serving_sizes(scale: float, budget: int) -> None:
+def test_batched_trees_are_the_heaps_at_serving_sizes(search: Search, scale: float, budget: int) -> None:
     """B = 8, D = 16, K = 8: flat and peaked lattices (selector log-probs of scores scaled by `scale`), where
     the search needs one, two or three passes."""
     generator = torch.Generator().manual_seed(int(scale * 10) + budget)
     lattices = selector_logprobs(scale * torch.randn(8, 16, 8, 8, generator=generator))
     lattices[:, 0] = lattices[:, 0, :1].clone()
     ids = torch.stack([distinct_tokens(generator, 16, 8) for _ in range(8)])
-    assert_same_trees(
-        build_lattice_trees(lattices, ids, budget), build_lattice_trees_by_heap(lattices, ids, budget), scale
-    )
+    with searching_by(search):
+        got = build_lattice_trees(lattices, ids, budget)
+    assert_same_trees(got, build_lattice_trees_by_heap(lattices, ids, budget), scale)
 
 
-def test_batched_trees_of_hand_built_lattices() -> None:
+@pytest.mark.parametrize("search", SEARCHES.values(), ids=SEARCHES.keys())
+def test_batched_trees_of_hand_built_lattices(search: Search) -> None:
     """Equal log-probs everywhere (every node of a depth ties), K = 1 (one path), depth 1, a budget larger
     than the lattice, and a signed zero at rank 0."""
     cases = [
@@ -471,13 +499,25 @@ def test_batched_trees_of_hand_built_lattices() -> None:
     for lattice, budget in cases:
         ids = torch.arange(lattice.shape[1] * lattice.shape[2]).view(1, *lattice.shape[1:3])
         ids = ids.expand(lattice.shape[0], -1, -1).contiguous()
-        got = build_lattice_trees(lattice, ids, budget)
+        with searching_by(search):
+            got = build_lattice_trees(lattice, ids, budget)
         assert_same_trees(got, build_lattice_trees_by_heap(lattice, ids, budget), (lattice.shape, budget))
         for b in range(lattice.shape[0]):
             tree = build_lattice_tree(lattice[b], ids[b], budget)
             assert torch.equal(got.row(b).tokens, tree.tokens) and torch.equal(
                 got.row(b).parents, tree.parents
             )
+
+
+def test_the_compiled_heap_serves_where_numba_imports_and_its_keys_fit() -> None:
+    """The compiled heap for DFlash's lattices; the numpy search where the rank keys K^D would overflow int64
+    and where Numba is missing (the module's import fails, as in a bundle without it)."""
+    assert batch_search(16, 8) is best_first_by_compiled_heap
+    assert batch_search(20, 8) is best_first_by_compiled_heap  # keys below 8^20 = 2^60
+    assert batch_search(16, 16) is best_first_batch  # 16^16 = 2^64
+    assert batch_search(31, 4) is best_first_batch  # 4^31 = 2^62: KEY_BITS
+    with mock.patch.dict(sys.modules, {"bastion_sglang.controller.lattice_heap": None}):
+        assert batch_search(16, 8) is best_first_batch
 
 
 def test_equal_rows_take_the_raw_argmax_first() -> None:
