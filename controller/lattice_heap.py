@@ -9,9 +9,9 @@ the numpy threshold search of `lattice_batched` instead, which returns the same 
 
 Heap entry (the reference's): (-score, depth, key) with key = Σ_j r_j·K^(d-j), the rank tuple of a node of
 one depth as an integer (its last rank is key mod K), so no two entries tie; plus the entry's parent index
-and candidate. Entries live in parallel arrays ordered as a binary min-heap; a popped node is replaced by
-its next sibling (as `heapq.heapreplace`) or removed, then pushes its first child. Any binary heap pops
-distinct keys in the same order, so this one pops exactly what `heapq` pops.
+and candidate. Entries are written once into parallel arrays; the binary min-heap holds their indices. A
+popped node is replaced by its next sibling (as `heapq.heapreplace`) or removed, then pushes its first
+child. Any binary heap pops distinct keys in the same order, so this one pops exactly what `heapq` pops.
 """
 
 from __future__ import annotations
@@ -33,42 +33,38 @@ file, or the user's cache where that is read-only)."""
 
 
 @JIT
-def before(neg_a: float, dep_a: int, key_a: int, neg_b: float, dep_b: int, key_b: int) -> bool:
+def before(neg: np.ndarray, dep: np.ndarray, key: np.ndarray, a: int, b: int) -> bool:
     """Whether entry a comes before entry b in key order."""
-    if neg_a != neg_b:
-        return neg_a < neg_b
-    if dep_a != dep_b:
-        return dep_a < dep_b
-    return key_a < key_b
+    if neg[a] != neg[b]:
+        return neg[a] < neg[b]
+    if dep[a] != dep[b]:
+        return dep[a] < dep[b]
+    return key[a] < key[b]
 
 
 @JIT
-def place(heap_f, heap_i, size: int, i: int, neg: float, dep: int, key: int, par: int, cand: int) -> None:
-    """Put the entry (neg, dep, key, par, cand) into the heap of `size` entries whose slot i is free:
-    down while a child comes before it, then up while the parent comes after it (only one moves)."""
+def place(
+    heap: np.ndarray, size: int, i: int, entry: int, neg: np.ndarray, dep: np.ndarray, key: np.ndarray
+) -> None:
+    """Put `entry` into the heap (entry indices, `size` of them) at its free slot i: down while a child comes
+    before it, then up while the parent comes after it (only one of the two moves it)."""
     while True:
         child = 2 * i + 1
         if child >= size:
             break
-        if child + 1 < size and before(
-            heap_f[child + 1], heap_i[child + 1, 0], heap_i[child + 1, 1],
-            heap_f[child], heap_i[child, 0], heap_i[child, 1],
-        ):  # fmt: skip
+        if child + 1 < size and before(neg, dep, key, heap[child + 1], heap[child]):
             child += 1
-        if not before(heap_f[child], heap_i[child, 0], heap_i[child, 1], neg, dep, key):
+        if not before(neg, dep, key, heap[child], entry):
             break
-        heap_f[i] = heap_f[child]
-        heap_i[i] = heap_i[child]
+        heap[i] = heap[child]
         i = child
     while i > 0:
         up = (i - 1) // 2
-        if not before(neg, dep, key, heap_f[up], heap_i[up, 0], heap_i[up, 1]):
+        if not before(neg, dep, key, entry, heap[up]):
             break
-        heap_f[i] = heap_f[up]
-        heap_i[i] = heap_i[up]
+        heap[i] = heap[up]
         i = up
-    heap_f[i] = neg
-    heap_i[i, 0], heap_i[i, 1], heap_i[i, 2], heap_i[i, 3] = dep, key, par, cand
+    heap[i] = entry
 
 
 @JIT
@@ -93,13 +89,22 @@ def rank_row(values, ties, start: int, width: int, ranked, order) -> None:
 
 @JIT
 def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: int, nodes: int):
+    """The first `nodes` pops of every row's heap (module docstring): values, ties [B, D·K·K] float64 (ties
+    zeros where none were given). Returns (scores [B, n] float64, parents, depths, candidates [B, n] int64).
+    """
     batch, flat_size = values.shape
     scores = np.zeros((batch, nodes))
     parents = np.zeros((batch, nodes), dtype=np.int64)
     depths = np.zeros((batch, nodes), dtype=np.int64)
     candidates = np.zeros((batch, nodes), dtype=np.int64)
-    heap_f = np.empty(nodes + 1)  # -score; a pop adds at most one entry net
-    heap_i = np.empty((nodes + 1, 4), dtype=np.int64)  # depth, key, parent, candidate
+    entries = 2 * nodes + 1  # the first entry, then at most a sibling and a child per pop
+    neg = np.empty(entries)  # -score
+    dep = np.empty(entries, dtype=np.int64)
+    key = np.empty(entries, dtype=np.int64)
+    par = np.empty(entries, dtype=np.int64)
+    cand = np.empty(entries, dtype=np.int64)
+    rnk = np.empty(entries, dtype=np.int64)  # the entry's rank in its row (key mod K)
+    heap = np.empty(nodes + 1, dtype=np.int64)  # entry indices; a pop adds at most one entry net
     starts = np.empty(nodes, dtype=np.int64)
     ranked = np.empty(flat_size)
     order = np.empty(flat_size, dtype=np.int64)
@@ -109,24 +114,23 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
         is_ranked[:] = False
         rank_row(row_values, row_ties, 0, width, ranked, order)
         is_ranked[0] = True
-        heap_f[0] = -ranked[0]
-        heap_i[0, 0], heap_i[0, 1], heap_i[0, 2], heap_i[0, 3] = 1, 0, -1, order[0]
-        size = 1
+        neg[0], dep[0], key[0], par[0], cand[0], rnk[0] = -ranked[0], 1, 0, -1, order[0], 0
+        heap[0], size, made = 0, 1, 1
         for index in range(nodes):
-            negative = heap_f[0]
-            depth, own_key, parent, candidate = heap_i[0, 0], heap_i[0, 1], heap_i[0, 2], heap_i[0, 3]
-            rank = own_key % width + 1
+            top = heap[0]
+            negative, depth, own_key, parent, candidate = neg[top], dep[top], key[top], par[top], cand[top]
+            rank = rnk[top] + 1
             if rank < width:  # the next sibling takes the popped node's place
                 at = (starts[parent] if parent >= 0 else 0) + rank
                 base = scores[b, parent] if parent >= 0 else 0.0
-                place(heap_f, heap_i, size, 0, -(base + ranked[at]), depth, own_key + 1, parent, order[at])
+                neg[made], dep[made], key[made] = -(base + ranked[at]), depth, own_key + 1
+                par[made], cand[made], rnk[made] = parent, order[at], rank
+                place(heap, size, 0, made, neg, dep, key)
+                made += 1
             else:
                 size -= 1
-                last_f = heap_f[size]
-                last_dep, last_key = heap_i[size, 0], heap_i[size, 1]
-                last_par, last_cand = heap_i[size, 2], heap_i[size, 3]
                 if size > 0:
-                    place(heap_f, heap_i, size, 0, last_f, last_dep, last_key, last_par, last_cand)
+                    place(heap, size, 0, heap[size], neg, dep, key)
             score = -negative
             scores[b, index], parents[b, index] = score, parent
             depths[b, index], candidates[b, index] = depth, candidate
@@ -136,18 +140,11 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
                 if not is_ranked[at // width]:
                     rank_row(row_values, row_ties, at, width, ranked, order)
                     is_ranked[at // width] = True
+                neg[made], dep[made], key[made] = -(score + ranked[at]), depth + 1, own_key * width
+                par[made], cand[made], rnk[made] = index, order[at], 0
                 size += 1
-                place(
-                    heap_f,
-                    heap_i,
-                    size,
-                    size - 1,
-                    -(score + ranked[at]),
-                    depth + 1,
-                    own_key * width,
-                    index,
-                    order[at],
-                )
+                place(heap, size, size - 1, made, neg, dep, key)
+                made += 1
     return scores, parents, depths, candidates
 
 
