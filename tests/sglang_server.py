@@ -56,6 +56,11 @@ class RunningServer:
         return self.process.poll() is None
 
 
+STARTUP_POLL_SECONDS = 0.5
+"""Between health checks of a starting server: a refused connection costs nothing, and a server that is up
+waits at most this long for its first test."""
+
+
 @contextmanager
 def launch_server(
     args: Sequence[str],
@@ -103,7 +108,7 @@ def launch_server(
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"server not ready after {startup_seconds} s:\n{server.log_text()[-4000:]}")
-            time.sleep(2)
+            time.sleep(STARTUP_POLL_SECONDS)
         yield server
     finally:
         if process.poll() is None:

@@ -79,21 +79,36 @@ def test_the_drafter_fits_the_budget_and_keeps_its_backbone(drafter: Path) -> No
     assert summary.acceptance is not None and summary.backbone_acceptance is not None
 
 
+@pytest.fixture(scope="module")
+def generated(model: PreTrainedModel, prompts: list[list[int]]) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt, NEW_TOKENS long (computed once for every policy)."""
+    return [
+        model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+        for prompt in prompts
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(prompts: list[list[int]], engine: ReferenceEngine) -> list[list[int]]:
+    """Plain decoding (`ar`) of each prompt under SAMPLING (computed once for every policy)."""
+    return [engine.generate(prompt, NEW_TOKENS, policy="ar", **SAMPLING).tokens for prompt in prompts]
+
+
 @pytest.mark.parametrize("policy", ["chain", "fixed:16", "fixed:64", "adaptive"])
 def test_greedy_equals_generate(
-    model: PreTrainedModel, prompts: list[list[int]], engine: ReferenceEngine, policy: str
+    prompts: list[list[int]], generated: list[list[int]], engine: ReferenceEngine, policy: str
 ) -> None:
     assert isinstance(engine.proposer, DFlash2Proposer)
-    for prompt in prompts:
-        reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    for prompt, expected in zip(prompts, generated, strict=True):
         result = engine.generate(prompt, NEW_TOKENS, policy=policy)
-        assert result.tokens == reference[0, len(prompt) :].tolist(), (policy, prompt)
+        assert result.tokens == expected, (policy, prompt)
 
 
 @pytest.mark.parametrize("policy", ["chain", "fixed:16"])
 def test_seeded_sampling_equals_plain_decoding(
-    prompts: list[list[int]], engine: ReferenceEngine, policy: str
+    prompts: list[list[int]], plain_sampled: list[list[int]], engine: ReferenceEngine, policy: str
 ) -> None:
-    for prompt in prompts:
-        plain = engine.generate(prompt, NEW_TOKENS, policy="ar", **SAMPLING).tokens
+    for prompt, plain in zip(prompts, plain_sampled, strict=True):
         assert engine.generate(prompt, NEW_TOKENS, policy=policy, **SAMPLING).tokens == plain, policy

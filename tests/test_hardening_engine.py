@@ -48,7 +48,8 @@ from typing import Any
 import pytest
 import sglang
 from calibration_profiles import serving_plan_flags
-from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair
+from engine_pool import EnginePool, started
+from engine_support import VOCAB_SIZE, engine_server_args, first_difference
 from oracle_drafter import load_records, write_references
 
 from bastion_sglang.registration import make_config
@@ -256,15 +257,14 @@ def _plan(first: Outputs) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_model_pair(tmp_path_factory.mktemp("hardening_engine"))
+def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")
-def reference(models: tuple[Path, Path]) -> tuple[Outputs, Plan]:
-    """The Engine without speculation, and the plan cut from its first outputs."""
-    engine = sglang.Engine(server_args=engine_server_args(models, None))
-    try:
+def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> tuple[Outputs, Plan]:
+    """The Engine without speculation (the run's pooled one), and the plan cut from its first outputs."""
+    with started(engine_server_args(models, None), engine_pool) as engine:
         first: Outputs = {}
         for name, group in _first_groups().items():
             first[name] = engine.generate(
@@ -275,8 +275,6 @@ def reference(models: tuple[Path, Path]) -> tuple[Outputs, Plan]:
             first[name] = engine.generate(
                 input_ids=group.prompts, sampling_params=group.params, **group.kwargs
             )
-    finally:
-        engine.shutdown()
     return first, plan
 
 

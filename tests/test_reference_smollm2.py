@@ -60,17 +60,27 @@ def smollm2(
     return target, model, drafter, prompts
 
 
+@pytest.fixture(scope="module")
+def generated(smollm2: tuple[Path, PreTrainedModel, Path, list[list[int]]]) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt, NEW_TOKENS long (computed once for every policy)."""
+    _, model, _, prompts = smollm2
+    return [
+        model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+        for prompt in prompts
+    ]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_equals_generate_on_smollm2(
-    smollm2: tuple[Path, PreTrainedModel, Path, list[list[int]]], policy: str
+    smollm2: tuple[Path, PreTrainedModel, Path, list[list[int]]], generated: list[list[int]], policy: str
 ) -> None:
     _, model, drafter, prompts = smollm2
     engine = ReferenceEngine(
         model, drafter, device=torch.device("cpu"), dtype=torch.float32, hardware=HARDWARE,
         width_buckets=(2, 4, 8, 16), max_nodes=15,
     )  # fmt: skip
-    for prompt in prompts:
-        reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected = reference[0, len(prompt) :].tolist()
+    for prompt, expected in zip(prompts, generated, strict=True):
         result = engine.generate(list(prompt), NEW_TOKENS, policy=policy)
         assert result.tokens == expected, (policy, prompt)
