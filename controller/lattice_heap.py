@@ -1,6 +1,6 @@
 """Best-first lattice trees for a whole batch by the heap of `lattice_tree._best_first`, compiled with Numba:
-the same pops in the same order, so the same nodes, order and float64 scores bit for bit, at about 40 ns a
-node where the Python heap takes 0.5 µs.
+the same pops in the same order, so the same nodes, order and float64 scores bit for bit, at about 0.1 µs a
+node where the Python heap takes 0.8 µs (docs/planner.md, "A batch").
 
 Numba is a dependency of SGLang (0.5.23 pins numba 0.65.1), so wherever SGLang is installed whole this path
 is there. Where Numba cannot be imported (a trimmed bundle: this module then fails to import), or the rank
@@ -11,7 +11,9 @@ Heap entry (the reference's): (-score, depth, key) with key = Σ_j r_j·K^(d-j),
 one depth as an integer (its last rank is key mod K), so no two entries tie; plus the entry's parent index
 and candidate. Entries are written once into parallel arrays; the binary min-heap holds their indices. A
 popped node is replaced by its next sibling (as `heapq.heapreplace`) or removed, then pushes its first
-child. Any binary heap pops distinct keys in the same order, so this one pops exactly what `heapq` pops.
+child. A row's candidates are ranked lazily: its rank 0 when a node first pushes its first child, every rank
+when that child's first sibling is due (most rows of a tree never need a second). Any binary heap pops
+distinct keys in the same order, so this one pops exactly what `heapq` pops.
 """
 
 from __future__ import annotations
@@ -88,6 +90,19 @@ def rank_row(values, ties, start: int, width: int, ranked, order) -> None:
 
 
 @JIT
+def best_of_row(values, ties, start: int, width: int, ranked, order) -> None:
+    """Rank 0 of the [K] row at `start` alone (`rank_row`'s first entry): the largest value, then the largest
+    tie value, then the lowest index."""
+    best = 0
+    for c in range(1, width):
+        value, best_value = values[start + c], values[start + best]
+        if value > best_value or (value == best_value and ties[start + c] > ties[start + best]):
+            best = c
+    order[start] = best
+    ranked[start] = values[start + best]
+
+
+@JIT
 def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: int, nodes: int):
     """The first `nodes` pops of every row's heap (module docstring): values, ties [B, D·K·K] float64 (ties
     zeros where none were given). Returns (scores [B, n] float64, parents, depths, candidates [B, n] int64).
@@ -108,12 +123,12 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
     starts = np.empty(nodes, dtype=np.int64)
     ranked = np.empty(flat_size)
     order = np.empty(flat_size, dtype=np.int64)
-    is_ranked = np.zeros(flat_size // width, dtype=np.bool_)
+    known = np.zeros(flat_size // width, dtype=np.int8)  # per row: 0 no rank, 1 rank 0 alone, 2 every rank
     for b in range(batch):
         row_values, row_ties = values[b], ties[b]
-        is_ranked[:] = False
-        rank_row(row_values, row_ties, 0, width, ranked, order)
-        is_ranked[0] = True
+        known[:] = 0
+        best_of_row(row_values, row_ties, 0, width, ranked, order)
+        known[0] = 1
         neg[0], dep[0], key[0], par[0], cand[0], rnk[0] = -ranked[0], 1, 0, -1, order[0], 0
         heap[0], size, made = 0, 1, 1
         for index in range(nodes):
@@ -121,7 +136,11 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
             negative, depth, own_key, parent, candidate = neg[top], dep[top], key[top], par[top], cand[top]
             rank = rnk[top] + 1
             if rank < width:  # the next sibling takes the popped node's place
-                at = (starts[parent] if parent >= 0 else 0) + rank
+                row = starts[parent] if parent >= 0 else 0
+                if known[row // width] < 2:
+                    rank_row(row_values, row_ties, row, width, ranked, order)
+                    known[row // width] = 2
+                at = row + rank
                 base = scores[b, parent] if parent >= 0 else 0.0
                 neg[made], dep[made], key[made] = -(base + ranked[at]), depth, own_key + 1
                 par[made], cand[made], rnk[made] = parent, order[at], rank
@@ -137,9 +156,9 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
             at = (depth * width + candidate) * width  # row [depth, candidate]: the first child's
             starts[index] = at
             if depth < depth_count:
-                if not is_ranked[at // width]:
-                    rank_row(row_values, row_ties, at, width, ranked, order)
-                    is_ranked[at // width] = True
+                if known[at // width] == 0:
+                    best_of_row(row_values, row_ties, at, width, ranked, order)
+                    known[at // width] = 1
                 neg[made], dep[made], key[made] = -(score + ranked[at]), depth + 1, own_key * width
                 par[made], cand[made], rnk[made] = index, order[at], 0
                 size += 1
@@ -159,6 +178,7 @@ def best_first_by_compiled_heap(values: np.ndarray, ties: np.ndarray | None, nod
     n <= Σ_{d=1..D} K^d. Needs `keys_fit`. Returns LatticeNodes of [B, n] arrays."""
     batch, depth_count, width = values.shape[:3]
     flat = np.ascontiguousarray(values.reshape(batch, -1))
-    flat_ties = np.zeros_like(flat) if ties is None else np.ascontiguousarray(ties.reshape(batch, -1))
+    # without tie values, the values themselves: equal values then have equal ties, so the index decides
+    flat_ties = flat if ties is None else np.ascontiguousarray(ties.reshape(batch, -1))
     scores, parents, depths, candidates = batch_heap(flat, flat_ties, width, depth_count, nodes)
     return LatticeNodes(scores, parents, depths, candidates)
