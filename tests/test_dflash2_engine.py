@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang
 import torch
-from engine_pool import EnginePool, started
 from engine_support import (
     PROMPTS,
     assert_seeds_sample,
@@ -85,19 +85,17 @@ class Run:
     probe: list[list[int]] | None = None
 
 
-def _generate(
-    server_args: Any,
-    requests: list[tuple[list[int], dict[str, Any]]],
-    probe: bool = False,
-    pool: EnginePool | None = None,
-) -> Run:
-    """One Engine (the pool's where given), one batch of `requests` (then the seed probe if `probe`); counts
-    over the greedy (temperature 0) requests."""
-    with started(server_args, pool) as engine:
+def _generate(server_args: Any, requests: list[tuple[list[int], dict[str, Any]]], probe: bool = False) -> Run:
+    """One Engine, one batch of `requests` (then the seed probe if `probe`); counts over the greedy
+    (temperature 0) requests."""
+    engine = sglang.Engine(server_args=server_args)
+    try:
         outs = engine.generate(
             input_ids=[ids for ids, _ in requests], sampling_params=[p for _, p in requests]
         )
         probed = seed_probe(engine) if probe else None
+    finally:
+        engine.shutdown()
     greedy = [out for out, (_, params) in zip(outs, requests, strict=True) if params["temperature"] == 0.0]
     return Run(
         outputs=[out["output_ids"] for out in outs],
@@ -185,23 +183,20 @@ def _orbit(sigma: torch.Tensor, start: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def random_pair(tmp_path_factory: pytest.TempPathFactory, tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    """The run's tiny target with a random DFlash2 drafter."""
-    target = tiny_pair[0]
+def random_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dflash2_random")
+    target, _ = make_model_pair(root)
     drafter = make_tiny_dflash2_drafter(
-        tmp_path_factory.mktemp("dflash2_random") / "dflash2",
-        target,
-        output_multiplier=0.5,
-        final_logit_softcapping=3.0,
+        root / "dflash2", target, output_multiplier=0.5, final_logit_softcapping=3.0
     )
     _read_layer_ids(drafter)
     return target, drafter
 
 
 @pytest.fixture(scope="module")
-def random_reference(random_pair: tuple[Path, Path], engine_pool: EnginePool) -> Run:
-    """SGLang without speculation (the run's pooled Engine), on the mixed batch."""
-    return _generate(engine_server_args(random_pair, None), MIXED, pool=engine_pool)
+def random_reference(random_pair: tuple[Path, Path]) -> Run:
+    """SGLang without speculation or overlap scheduling, on the mixed batch."""
+    return _generate(engine_server_args(random_pair, None, disable_overlap_schedule=True), MIXED)
 
 
 @pytest.fixture(scope="module")

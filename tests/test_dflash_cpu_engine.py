@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang
 import torch
 from dflash_test_hooks import DflashOracle, ForwardLog, read_forward_log
-from engine_pool import EnginePool, started
-from engine_support import PROMPTS, engine_server_args
+from engine_support import PROMPTS, engine_server_args, make_model_pair
 from test_dflash2_engine import make_successor_pair
 
 from bastion_sglang import kernels
@@ -62,16 +62,16 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    return tiny_pair
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("dflash_cpu"))
 
 
-def _run(
-    server_args: Any, params: list[dict[str, Any]], log: Path | None = None, pool: EnginePool | None = None
-) -> Run:
-    """The outputs of one batch of PROMPTS on an Engine of `server_args` (the pool's where given)."""
-    with started(server_args, pool) as engine:
+def _run(server_args: Any, params: list[dict[str, Any]], log: Path | None = None) -> Run:
+    engine = sglang.Engine(server_args=server_args)
+    try:
         outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    finally:
+        engine.shutdown()
     return Run(
         outputs=[out["output_ids"] for out in outs],
         verify_counts=[int(out["meta_info"].get("spec_verify_ct", 0)) for out in outs],
@@ -90,9 +90,8 @@ def _dflash_args(models: tuple[Path, Path], synthetic: Path | None, log: Path) -
 
 
 @pytest.fixture(scope="module")
-def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> Run:
-    """Greedy outputs without speculation (on the run's pooled Engine)."""
-    return _run(engine_server_args(models, None), [GREEDY] * len(PROMPTS), pool=engine_pool)
+def reference(models: tuple[Path, Path]) -> Run:
+    return _run(engine_server_args(models, None, **MEM), [GREEDY] * len(PROMPTS))
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,7 @@ from typing import Any
 import pytest
 import sglang
 from calibration_profiles import serving_plan_flags
-from engine_pool import EnginePool, started
-from engine_support import VOCAB_SIZE, engine_server_args, first_difference
+from engine_support import VOCAB_SIZE, engine_server_args, first_difference, make_model_pair
 from oracle_drafter import load_records, write_references
 
 from bastion_sglang.registration import make_config
@@ -257,14 +256,15 @@ def _plan(first: Outputs) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    return tiny_pair
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("hardening_engine"))
 
 
 @pytest.fixture(scope="module")
-def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> tuple[Outputs, Plan]:
-    """The Engine without speculation (the run's pooled one), and the plan cut from its first outputs."""
-    with started(engine_server_args(models, None), engine_pool) as engine:
+def reference(models: tuple[Path, Path]) -> tuple[Outputs, Plan]:
+    """The Engine without speculation, and the plan cut from its first outputs."""
+    engine = sglang.Engine(server_args=engine_server_args(models, None))
+    try:
         first: Outputs = {}
         for name, group in _first_groups().items():
             first[name] = engine.generate(
@@ -275,6 +275,8 @@ def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> tuple[Outpu
             first[name] = engine.generate(
                 input_ids=group.prompts, sampling_params=group.params, **group.kwargs
             )
+    finally:
+        engine.shutdown()
     return first, plan
 
 

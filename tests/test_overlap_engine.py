@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 import sglang
-from engine_pool import EnginePool, started
 from engine_support import (
     PROMPTS,
     assert_seeds_sample,
     engine_server_args,
     first_difference,
+    make_model_pair,
     seed_probe,
 )
 from oracle_drafter import write_references
@@ -85,16 +85,19 @@ def staggered_generate(engine: Any, prompts: list[list[int]], params: list[dict[
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    return tiny_pair
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("overlap_engine"))
 
 
 @pytest.fixture(scope="module")
-def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> list[list[int]]:
-    """Greedy outputs without speculation (one batch, on the run's pooled Engine)."""
-    with started(engine_server_args(models, None), engine_pool) as engine:
+def reference(models: tuple[Path, Path]) -> list[list[int]]:
+    """Greedy outputs without speculation (one batch)."""
+    engine = sglang.Engine(server_args=engine_server_args(models, None))
+    try:
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=greedy_params())
-    return [out["output_ids"] for out in outputs]
+        return [out["output_ids"] for out in outputs]
+    finally:
+        engine.shutdown()
 
 
 def oracle_config(root: Path, reference: list[list[int]], policy: str, overlap: bool) -> BastionConfig:

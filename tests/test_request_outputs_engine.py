@@ -33,7 +33,6 @@ from typing import Any
 import pytest
 import sglang
 import torch
-from engine_pool import EnginePool, started
 from engine_support import (
     PROMPTS,
     assert_seeds_sample,
@@ -203,15 +202,17 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(
-    models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory, engine_pool: EnginePool
-) -> Runs:
-    """Every Engine of the module docstring: the reference (the run's pooled one), one per configuration, then
-    the reference again for the replays."""
+def runs(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every Engine of the module docstring, one after another (an Engine's configuration is its process's:
+    two Engines in one process do not run side by side): the reference, one per configuration, then the
+    reference again for the replays."""
     reference_args = engine_server_args(models, None, disable_overlap_schedule=True, **ENGINE_ARGS)
-    with started(reference_args, engine_pool) as engine:
+    engine = sglang.Engine(server_args=reference_args)
+    try:
         plain = [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
         reference = _run(engine)
+    finally:
+        engine.shutdown()
     oracle = write_references(
         tmp_path_factory.mktemp("oracle") / "reference.json",
         PROMPTS,
@@ -221,12 +222,15 @@ def runs(
         switch_period=SWITCH_PERIOD,
     )
     bastion = {name: _bastion_run(name, models, oracle) for name in CONFIGS}
-    with started(reference_args, engine_pool) as engine:
+    engine = sglang.Engine(server_args=reference_args)
+    try:
         for result in bastion.values():
             for i, ask in enumerate(MIXED_BATCH):
                 if not ask.greedy:
                     asked = dataclasses.replace(ask, hidden=False if result.refusal else ask.hidden)
                     result.replays[i] = _replay(engine, PROMPTS[i], result.run.mixed[i].ids, asked)
+    finally:
+        engine.shutdown()
     return Runs(reference, bastion)
 
 

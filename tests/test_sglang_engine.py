@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang
 from calibration_profiles import serving_plan_flags
-from engine_pool import EnginePool, started
 from engine_support import (
     PROMPTS,
     VOCAB_SIZE,
     assert_seeds_sample,
     engine_server_args,
     first_difference,
+    make_model_pair,
     seed_probe,
 )
 from oracle_drafter import write_references
@@ -71,8 +72,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    return tiny_pair
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("bastion_engine"))
 
 
 def _stops_from(greedy: list[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -114,12 +115,10 @@ def _stop_tokens_from(greedy: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return cases[:STOP_CASES]
 
 
-def _run(
-    server_args: Any, stops: Stops | None, sample: bool, pool: EnginePool | None = None
-) -> tuple[Run, Stops]:
-    """Send the shared request set to one Engine (the pool's where given, else its own); stops None: derive
-    them from this run's outputs."""
-    with started(server_args, pool) as engine:
+def _run(server_args: Any, stops: Stops | None, sample: bool) -> tuple[Run, Stops]:
+    """Send the shared request set to one Engine; stops None: derive them from this run's outputs."""
+    engine = sglang.Engine(server_args=server_args)
+    try:
         greedy = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         if stops is None:
             stops = Stops(strings=_stops_from(greedy), tokens=_stop_tokens_from(greedy))
@@ -139,6 +138,8 @@ def _run(
         )
         sampled = engine.generate(input_ids=PROMPTS[:4], sampling_params=SAMPLED) if sample else None
         probe = seed_probe(engine) if sample else None
+    finally:
+        engine.shutdown()
     run = Run(
         greedy=[out["output_ids"] for out in greedy],
         short=[out["output_ids"] for out in short],
@@ -153,9 +154,9 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def reference_run(models: tuple[Path, Path], engine_pool: EnginePool) -> tuple[Run, Stops]:
-    """The Engine without speculation (the run's pooled one), and the stop strings cut from its texts."""
-    return _run(engine_server_args(models, None), None, sample=False, pool=engine_pool)
+def reference_run(models: tuple[Path, Path]) -> tuple[Run, Stops]:
+    """The Engine without speculation, and the stop strings cut from its texts."""
+    return _run(engine_server_args(models, None), None, sample=False)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,7 @@ import pytest
 import sglang
 import torch
 from calibration_profiles import serving_plan_flags
-from engine_pool import EnginePool, started
-from engine_support import PROMPTS, engine_server_args, first_difference
+from engine_support import PROMPTS, engine_server_args, first_difference, make_model_pair
 from oracle_drafter import load_records, write_references
 
 from bastion_sglang.integration.config import BastionConfig
@@ -79,15 +78,17 @@ def decode_steps(directory: Path) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair: tuple[Path, Path]) -> tuple[Path, Path]:
-    return tiny_pair
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_model_pair(tmp_path_factory.mktemp("gate_engine"))
 
 
 @pytest.fixture(scope="module")
-def reference(models: tuple[Path, Path], engine_pool: EnginePool) -> list[list[int]]:
-    """Greedy outputs without speculation (on the run's pooled Engine)."""
-    with started(engine_server_args(models, None), engine_pool) as engine:
+def reference(models: tuple[Path, Path]) -> list[list[int]]:
+    engine = sglang.Engine(server_args=engine_server_args(models, None))
+    try:
         return [out["output_ids"] for out in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    finally:
+        engine.shutdown()
 
 
 Call = tuple[list[list[int]], dict[str, float]]
