@@ -177,6 +177,9 @@ def best_first_by_compiled_heap(values: np.ndarray, ties: np.ndarray | None, nod
     compiled heap. values: [B, D, K, K] float64 log-probs <= 0, no NaN; ties: None or the same shape; nodes:
     n <= Σ_{d=1..D} K^d. Needs `keys_fit`. Returns LatticeNodes of [B, n] arrays."""
     batch, depth_count, width = values.shape[:3]
+    if nodes == 0 or batch == 0:
+        empty = np.zeros((batch, 0), dtype=np.int64)
+        return LatticeNodes(np.zeros((batch, 0)), empty, empty, empty)
     flat = np.ascontiguousarray(values.reshape(batch, -1))
     # without tie values, the values themselves: equal values then have equal ties, so the index decides
     flat_ties = flat if ties is None else np.ascontiguousarray(ties.reshape(batch, -1))
