@@ -46,8 +46,11 @@ drafter's probability of its tokens with every slot's mass outside the candidate
 from __future__ import annotations
 
 import heapq
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import cache
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -412,17 +415,26 @@ def _stacked_trees(
     return trees.to_device(lattice_logprobs.device)
 
 
+@cache
+def compiled_heap() -> ModuleType | None:
+    """`lattice_heap`, imported once; None where Numba cannot be imported (a trimmed bundle), so the planning
+    hot path never retries a failed import."""
+    try:
+        return importlib.import_module("bastion_sglang.controller.lattice_heap")
+    except ImportError:
+        return None
+
+
 def batch_search(
     depth_count: int, width: int
 ) -> Callable[[np.ndarray, np.ndarray | None, int], LatticeNodes]:
     """How `build_lattice_trees` finds every request's nodes for [B, D, K, K] lattices: the compiled heap of
     `lattice_heap` where Numba imports and the rank keys fit, else the threshold search of `lattice_batched`
     (the same trees, bit for bit)."""
-    try:
-        from bastion_sglang.controller.lattice_heap import best_first_by_compiled_heap, keys_fit
-    except ImportError:  # no Numba (a trimmed bundle)
+    heap = compiled_heap()
+    if heap is None or not heap.keys_fit(depth_count, width):
         return best_first_batch
-    return best_first_by_compiled_heap if keys_fit(depth_count, width) else best_first_batch
+    return heap.best_first_by_compiled_heap
 
 
 def _batch_trees(values: np.ndarray, ties: np.ndarray | None, ids: np.ndarray, nodes: int) -> DraftTreeBatch:

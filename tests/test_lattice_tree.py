@@ -516,8 +516,13 @@ def test_the_compiled_heap_serves_where_numba_imports_and_its_keys_fit() -> None
     assert batch_search(20, 8) is best_first_by_compiled_heap  # keys below 8^20 = 2^60
     assert batch_search(16, 16) is best_first_batch  # 16^16 = 2^64
     assert batch_search(31, 4) is best_first_batch  # 4^31 = 2^62: KEY_BITS
-    with mock.patch.dict(sys.modules, {"bastion_sglang.controller.lattice_heap": None}):
-        assert batch_search(16, 8) is best_first_batch
+    lattice_tree.compiled_heap.cache_clear()
+    try:
+        with mock.patch.dict(sys.modules, {"bastion_sglang.controller.lattice_heap": None}):
+            assert batch_search(16, 8) is best_first_batch
+    finally:
+        lattice_tree.compiled_heap.cache_clear()
+    assert batch_search(16, 8) is best_first_by_compiled_heap
 
 
 def test_equal_rows_take_the_raw_argmax_first() -> None:
