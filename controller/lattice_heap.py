@@ -7,13 +7,15 @@ is there. Where Numba cannot be imported (a trimmed bundle: this module then fai
 keys of a lattice would not fit in int64 (K^D >= 2^62, `keys_fit`), `lattice_tree.build_lattice_trees` uses
 the numpy threshold search of `lattice_batched` instead, which returns the same trees.
 
-Heap entry (the reference's): (-score, depth, key) with key = Σ_j r_j·K^(d-j), the rank tuple of a node of
-one depth as an integer (its last rank is key mod K), so no two entries tie; plus the entry's parent index
-and candidate. Entries are written once into parallel arrays; the binary min-heap holds their indices. A
-popped node is replaced by its next sibling (as `heapq.heapreplace`) or removed, then pushes its first
-child. A row's candidates are ranked lazily: its rank 0 when a node first pushes its first child, every rank
-when that child's first sibling is due (most rows of a tree never need a second). Any binary heap pops
-distinct keys in the same order, so this one pops exactly what `heapq` pops.
+Heap entry (the reference's): (-score, depth, key) with key = Σ_j r_j·K^(d-j), the rank tuple of a node of one
+depth as an integer (its last rank is key mod K), so no two entries tie; plus the entry's parent index and
+candidate. Entries are written once into parallel arrays; the binary min-heap holds their indices and, beside
+them, their -scores, which settle nearly every comparison without reading an entry. A popped node is replaced
+by its next sibling (as `heapq.heapreplace`) or removed, then pushes its first child. A row's candidates are
+ranked lazily: its rank 0 when a node first pushes its first child, every rank when that child's first sibling
+is due (most rows of a tree never need a second). Rows of K = 8 (DFlash's default topk) are ranked by a
+sorting network of selects: on random rows every comparison is a coin toss, which a branch mispredicts half
+the time. Any binary heap pops distinct keys in the same order, so this one pops exactly what `heapq` pops.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ file, or the user's cache where that is read-only)."""
 
 
 @JIT
-def before(neg: np.ndarray, dep: np.ndarray, key: np.ndarray, a: int, b: int) -> bool:
-    """Whether entry a comes before entry b in key order."""
-    if neg[a] != neg[b]:
-        return neg[a] < neg[b]
+def before(neg_a: float, a: int, neg_b: float, b: int, dep: np.ndarray, key: np.ndarray) -> bool:
+    """Whether entry a (its -score neg_a) comes before entry b in key order."""
+    if neg_a != neg_b:
+        return neg_a < neg_b
     if dep[a] != dep[b]:
         return dep[a] < dep[b]
     return key[a] < key[b]
@@ -46,33 +48,105 @@ def before(neg: np.ndarray, dep: np.ndarray, key: np.ndarray, a: int, b: int) ->
 
 @JIT
 def place(
-    heap: np.ndarray, size: int, i: int, entry: int, neg: np.ndarray, dep: np.ndarray, key: np.ndarray
+    heap: np.ndarray,
+    heap_neg: np.ndarray,
+    size: int,
+    i: int,
+    entry: int,
+    entry_neg: float,
+    dep: np.ndarray,
+    key: np.ndarray,
 ) -> None:
-    """Put `entry` into the heap (entry indices, `size` of them) at its free slot i: down while a child comes
-    before it, then up while the parent comes after it (only one of the two moves it)."""
+    """Put `entry` (its -score entry_neg) into the heap (entry indices, `size` of them, and beside them their
+    -scores, which decide nearly every comparison) at its free slot i: down while a child comes before it,
+    then up while the parent comes after it (only one of the two moves it)."""
     while True:
         child = 2 * i + 1
         if child >= size:
             break
-        if child + 1 < size and before(neg, dep, key, heap[child + 1], heap[child]):
+        if child + 1 < size and before(
+            heap_neg[child + 1], heap[child + 1], heap_neg[child], heap[child], dep, key
+        ):
             child += 1
-        if not before(neg, dep, key, heap[child], entry):
+        if not before(heap_neg[child], heap[child], entry_neg, entry, dep, key):
             break
-        heap[i] = heap[child]
+        heap[i], heap_neg[i] = heap[child], heap_neg[child]
         i = child
     while i > 0:
         up = (i - 1) // 2
-        if not before(neg, dep, key, entry, heap[up]):
+        if not before(entry_neg, entry, heap_neg[up], heap[up], dep, key):
             break
-        heap[i] = heap[up]
+        heap[i], heap_neg[i] = heap[up], heap_neg[up]
         i = up
-    heap[i] = entry
+    heap[i], heap_neg[i] = entry, entry_neg
+
+
+NETWORK_WIDTH = 8
+"""DFlash's default topk: rows of this width are ranked by a sorting network, without a branch."""
+
+
+@JIT
+def candidate(values: np.ndarray, ties: np.ndarray, start: int, c: int) -> tuple[float, float, int]:
+    """Candidate c of the row at `start` as (value, tie value, index)."""
+    return values[start + c], ties[start + c], c
+
+
+@JIT
+def in_rank_order(x: tuple[float, float, int], y: tuple[float, float, int]):
+    """Candidates x and y in rank order: value, then tie value, descending, then index ascending. A select,
+    not a branch: which comes first is a coin toss on random rows."""
+    swap = (y[0] > x[0]) | ((y[0] == x[0]) & ((y[1] > x[1]) | ((y[1] == x[1]) & (y[2] < x[2]))))
+    return (y, x) if swap else (x, y)
+
+
+@JIT
+def write_rank(ranked: np.ndarray, order: np.ndarray, at: int, x: tuple[float, float, int]) -> None:
+    ranked[at], order[at] = x[0], x[2]
 
 
 @JIT
 def rank_row(values, ties, start: int, width: int, ranked, order) -> None:
-    """`lattice_batched.rank_rows` of the [K] row at `start` of one flat lattice (ties: zeros where none
-    were given) into ranked/order: an insertion sort, stable, by value then tie value, descending."""
+    """`lattice_batched.rank_rows` of the [K] row at `start` of one flat lattice (ties: the values where none
+    were given) into ranked/order: by value then tie value, descending, then index. Rows of NETWORK_WIDTH go
+    through a 19-comparator sorting network (a total order, so any sort gives these ranks); others through
+    an insertion sort."""
+    if width != NETWORK_WIDTH:
+        insertion_rank_row(values, ties, start, width, ranked, order)
+        return
+    x0 = candidate(values, ties, start, 0)
+    x1 = candidate(values, ties, start, 1)
+    x2 = candidate(values, ties, start, 2)
+    x3 = candidate(values, ties, start, 3)
+    x4 = candidate(values, ties, start, 4)
+    x5 = candidate(values, ties, start, 5)
+    x6 = candidate(values, ties, start, 6)
+    x7 = candidate(values, ties, start, 7)
+    x0, x2 = in_rank_order(x0, x2)
+    x1, x3 = in_rank_order(x1, x3)
+    x4, x6 = in_rank_order(x4, x6)
+    x5, x7 = in_rank_order(x5, x7)
+    x0, x4 = in_rank_order(x0, x4)
+    x1, x5 = in_rank_order(x1, x5)
+    x2, x6 = in_rank_order(x2, x6)
+    x3, x7 = in_rank_order(x3, x7)
+    x0, x1 = in_rank_order(x0, x1)
+    x2, x3 = in_rank_order(x2, x3)
+    x4, x5 = in_rank_order(x4, x5)
+    x6, x7 = in_rank_order(x6, x7)
+    x2, x4 = in_rank_order(x2, x4)
+    x3, x5 = in_rank_order(x3, x5)
+    x1, x4 = in_rank_order(x1, x4)
+    x3, x6 = in_rank_order(x3, x6)
+    x1, x2 = in_rank_order(x1, x2)
+    x3, x4 = in_rank_order(x3, x4)
+    x5, x6 = in_rank_order(x5, x6)
+    for r, x in enumerate((x0, x1, x2, x3, x4, x5, x6, x7)):
+        write_rank(ranked, order, start + r, x)
+
+
+@JIT
+def insertion_rank_row(values, ties, start: int, width: int, ranked, order) -> None:
+    """`rank_row` of any width: an insertion sort, stable, by value then tie value, descending."""
     for c in range(width):
         value, tie = values[start + c], ties[start + c]
         at = c
@@ -92,14 +166,18 @@ def rank_row(values, ties, start: int, width: int, ranked, order) -> None:
 @JIT
 def best_of_row(values, ties, start: int, width: int, ranked, order) -> None:
     """Rank 0 of the [K] row at `start` alone (`rank_row`'s first entry): the largest value, then the largest
-    tie value, then the lowest index."""
-    best = 0
-    for c in range(1, width):
-        value, best_value = values[start + c], values[start + best]
-        if value > best_value or (value == best_value and ties[start + c] > ties[start + best]):
-            best = c
-    order[start] = best
-    ranked[start] = values[start + best]
+    tie value, then the lowest index. Rows of NETWORK_WIDTH play a knock-out of selects."""
+    if width == NETWORK_WIDTH:
+        first = in_rank_order(candidate(values, ties, start, 0), candidate(values, ties, start, 1))[0]
+        second = in_rank_order(candidate(values, ties, start, 2), candidate(values, ties, start, 3))[0]
+        third = in_rank_order(candidate(values, ties, start, 4), candidate(values, ties, start, 5))[0]
+        fourth = in_rank_order(candidate(values, ties, start, 6), candidate(values, ties, start, 7))[0]
+        best = in_rank_order(in_rank_order(first, second)[0], in_rank_order(third, fourth)[0])[0]
+    else:
+        best = candidate(values, ties, start, 0)
+        for c in range(1, width):
+            best = in_rank_order(best, candidate(values, ties, start, c))[0]
+    write_rank(ranked, order, start, best)
 
 
 @JIT
@@ -120,6 +198,7 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
     cand = np.empty(entries, dtype=np.int64)
     rnk = np.empty(entries, dtype=np.int64)  # the entry's rank in its row (key mod K)
     heap = np.empty(nodes + 1, dtype=np.int64)  # entry indices; a pop adds at most one entry net
+    heap_neg = np.empty(nodes + 1)  # their -scores
     starts = np.empty(nodes, dtype=np.int64)
     ranked = np.empty(flat_size)
     order = np.empty(flat_size, dtype=np.int64)
@@ -130,7 +209,7 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
         best_of_row(row_values, row_ties, 0, width, ranked, order)
         known[0] = 1
         neg[0], dep[0], key[0], par[0], cand[0], rnk[0] = -ranked[0], 1, 0, -1, order[0], 0
-        heap[0], size, made = 0, 1, 1
+        heap[0], heap_neg[0], size, made = 0, neg[0], 1, 1
         for index in range(nodes):
             top = heap[0]
             negative, depth, own_key, parent, candidate = neg[top], dep[top], key[top], par[top], cand[top]
@@ -144,12 +223,12 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
                 base = scores[b, parent] if parent >= 0 else 0.0
                 neg[made], dep[made], key[made] = -(base + ranked[at]), depth, own_key + 1
                 par[made], cand[made], rnk[made] = parent, order[at], rank
-                place(heap, size, 0, made, neg, dep, key)
+                place(heap, heap_neg, size, 0, made, neg[made], dep, key)
                 made += 1
             else:
                 size -= 1
                 if size > 0:
-                    place(heap, size, 0, heap[size], neg, dep, key)
+                    place(heap, heap_neg, size, 0, heap[size], heap_neg[size], dep, key)
             score = -negative
             scores[b, index], parents[b, index] = score, parent
             depths[b, index], candidates[b, index] = depth, candidate
@@ -162,7 +241,7 @@ def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: in
                 neg[made], dep[made], key[made] = -(score + ranked[at]), depth + 1, own_key * width
                 par[made], cand[made], rnk[made] = index, order[at], 0
                 size += 1
-                place(heap, size, size - 1, made, neg, dep, key)
+                place(heap, heap_neg, size, size - 1, made, neg[made], dep, key)
                 made += 1
     return scores, parents, depths, candidates
 
