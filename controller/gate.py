@@ -1,24 +1,25 @@
 """Whether a decode step drafts: skip the drafter while speculation does not pay, re-probe with backoff.
 
 A drafted step's plan reports `BatchPlan.speculative_speedup`, the estimated speedup over plain decoding of
-the best speculative plan for that batch (drafter pass included, calibrated Â and latency). When it is at
-most 1, plain decoding is at least as fast for such batches, so the next steps skip the drafter and decode
-plainly (speedup exactly 1 by definition). After `backoff` skipped steps one step drafts again (a probe); if
-speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan
-beats plain decoding, every step drafts again and the backoff returns to `min_backoff`. A batch that
-shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps. Such a
-backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction sees
-fresh evidence. (The correction also forgets its evidence over decode steps that verify nothing,
+the best speculative plan for that batch (drafter pass included, calibrated Â and latency). When it is at most
+`batch_objective.PAYING_SPEEDUP` (1.05: within the estimate's own error of plain decoding), plain decoding is
+as fast for such batches as far as the planner can tell, so the next steps skip the drafter and decode plainly
+(speedup exactly 1 by definition). After `backoff` skipped steps one step drafts again (a probe); if
+speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan beats
+plain decoding by that margin, every step drafts again and the backoff returns to `min_backoff`. A batch that
+shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps. Such a backoff
+probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction sees fresh
+evidence. (The correction also forgets its evidence over decode steps that verify nothing,
 `AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
 
-A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1,
-more than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the
-best speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`:
-the last drafted step's mean Â curve when it drafted for every request of the batch, else the mean curve of
-the recent drafted steps; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While
-the ceiling is at most 1, a probe the backoff asks for is skipped too and counts as a failed probe: the
-backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time per step
-on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
+A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
+than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
+speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`: the
+last drafted step's mean Â curve when it drafted for every request of the batch, else the mean curve of the
+recent drafted steps; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While the
+ceiling is at most PAYING_SPEEDUP, a probe the backoff asks for is skipped too and counts as a failed probe:
+the backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time per
+step on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
 min_backoff). Only a refresh probe still runs (the text may have become easier), once the steps without
 drafting reach the refresh interval; a vetoed probe's backoff never runs past that point. While speculating
 the ceiling is not asked: each step's own plan decides, and for the batch the last step drafted for the
@@ -35,9 +36,9 @@ plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refr
 starts at `max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to
 `max_refresh`, and returns to `max_backoff` after any probe that pays. It is also never shorter than
 refresh_steps / `probe_share`, which keeps the expected cost of refreshes at `probe_share` of the decode time
-(1 %) as far as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8)
-refreshes wait at least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff`
-decides. When the batch shrinks the drafter gets cheaper, the ceiling rises above 1 and the backoff's probes
+(1 %) as far as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8) refreshes
+wait at least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff` decides. When
+the batch shrinks the drafter gets cheaper, the ceiling rises above PAYING_SPEEDUP and the backoff's probes
 run again.
 """
 
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bastion_sglang.controller.batch_objective import common_width_estimates
+from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP, common_width_estimates
 from bastion_sglang.controller.verify_passes import check_contexts
 
 if TYPE_CHECKING:
@@ -109,11 +110,11 @@ class SpeculationGate:
         the backing-off gate would probe; None: none known. A ceiling that vetoes the probe doubles the
         backoff as a failed probe does, so it is asked ever more rarely, not at every step: it prices the
         batch's whole curve. bound: the best plan ANY tree could give this batch (`StepController`'s
-        start-up bound from the acceptance calibration); at most 1, the step skips the drafter whatever the
-        backoff, probes included, and only a refresh probe runs once `refresh_interval` steps went by
-        without drafting (the online correction may have lifted the bound by then)."""
+        start-up bound from the acceptance calibration); at most PAYING_SPEEDUP, the step skips the drafter
+        whatever the backoff, probes included, and only a refresh probe runs once `refresh_interval` steps
+        went by without drafting (the online correction may have lifted the bound by then)."""
         self._steps += 1
-        if bound is not None and bound.speedup <= 1.0:
+        if bound is not None and bound.speedup <= PAYING_SPEEDUP:
             if self._since_draft >= self.refresh_interval(bound):
                 self._refreshing = True
                 self._since_draft = 0
@@ -126,7 +127,7 @@ class SpeculationGate:
         else:
             bound = None if ceiling is None or not self.skipping else ceiling()
             until_refresh = 0 if bound is None else self.refresh_interval(bound) - self._since_draft
-            if bound is None or until_refresh <= 0 or bound.speedup > 1.0:
+            if bound is None or until_refresh <= 0 or bound.speedup > PAYING_SPEEDUP:
                 self._refreshing = bound is not None and until_refresh <= 0
                 self._since_draft = 0
                 return True
@@ -138,7 +139,7 @@ class SpeculationGate:
 
     def record(self, speculative_speedup: float) -> None:
         """After a drafted step's plan: the estimated speedup of its best speculative plan."""
-        if speculative_speedup > 1.0:
+        if speculative_speedup > PAYING_SPEEDUP:
             self._backoff = 0
             self._refresh_after = self.max_backoff
             return

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from bastion_sglang.controller.batch_objective import BatchObjective, accept_curves, adaptive_stop
+from bastion_sglang.controller.batch_objective import (
+    PAYING_SPEEDUP,
+    BatchObjective,
+    accept_curves,
+    adaptive_stop,
+)
 from bastion_sglang.controller.latency import validate_width_buckets
 
 if TYPE_CHECKING:
@@ -321,7 +326,8 @@ def plan_batch(
     Â_i(n) = 1 + c_i·Σ_{j≤n} ρ_ij with c_i = accept_scale[i] (the online acceptance correction; 1 if None):
     a constant factor per request keeps each row's best-first order, so the trees stay optimal for Â.
     Plain decoding is option n = 0 for the whole batch, with speedup exactly 1: with `allow_plain`, a policy
-    that `may_decline` returns `plain_plan` when its best speculative plan's estimated speedup is <= 1.
+    that `may_decline` returns `plain_plan` when its best speculative plan's estimated speedup is at most
+    `batch_objective.PAYING_SPEEDUP` (1.05: the estimate's own error).
     With `common_width` (SGLang's verify needs one width per batch) every request verifies the same n:
     adaptive takes the first drop of Σ_i Â_i(n) / Ĉ(n) (a sum of concave curves over a convex cost, so
     unimodal); bucketed takes the best bucket; fixed and chain take their n. A common width is also the best
@@ -348,7 +354,7 @@ def plan_batch(
     estimates = objective.common(chosen[:1]) if common else objective.ragged(chosen[None])
     speedup, verify = float(estimates.speedup[0]), float(estimates.verify_seconds[0])
     accept_curve = tuple(objective.accept.mean(axis=0).tolist())
-    if allow_plain and policy.may_decline and speedup <= 1.0:
+    if allow_plain and policy.may_decline and speedup <= PAYING_SPEEDUP:
         return plain_plan(len(counts), costs.l_ar, speculative_speedup=speedup, accept_curve=accept_curve)
     rows = np.arange(len(counts))
     return BatchPlan(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
+from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP
 from bastion_sglang.controller.gate import (
     DraftedStep,
     DraftEvidence,
@@ -65,6 +66,22 @@ def test_backoff_doubles_up_to_the_cap() -> None:
     ]
     assert gate.skipping
     assert gate.skipped_share == pytest.approx(drafted.count(False) / 20)
+
+
+def test_a_gain_within_the_estimates_error_does_not_count_as_paying() -> None:
+    """A plan estimated to beat plain decoding by less than PAYING_SPEEDUP backs the gate off, and a probe
+    above it resumes speculation; so does a ceiling or a bound on either side of it."""
+    gate = SpeculationGate(min_backoff=2, max_backoff=8)
+    gate.record(PAYING_SPEEDUP - 0.01)
+    assert not gate.should_draft() and gate.skipping
+    while not gate.should_draft(Ceiling(PAYING_SPEEDUP + 0.01)):
+        pass
+    gate.record(PAYING_SPEEDUP + 0.01)
+    assert not gate.skipping
+    narrow = SpeculationCeiling(speedup=PAYING_SPEEDUP - 0.01, refresh_steps=1.0)
+    assert not SpeculationGate().should_draft(bound=narrow)
+    wide = SpeculationCeiling(speedup=PAYING_SPEEDUP + 0.01, refresh_steps=1.0)
+    assert SpeculationGate().should_draft(bound=wide)
 
 
 def test_a_paying_probe_resumes_speculation() -> None:

@@ -18,7 +18,7 @@ from bastion_sglang.controller import (
     parse_policy,
     plan_batch,
 )
-from bastion_sglang.controller.batch_objective import first_drop
+from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP, first_drop
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.policies import expected_accept_curve, speedup_curve
 from bastion_sglang.controller.profile import StepCosts
@@ -266,6 +266,33 @@ def test_plan_batch_declines_when_no_tree_pays() -> None:
     # fixed and chain budgets never decline
     fixed = plan_batch(trees, [100, 100], model, slow_draft, FixedPolicy(4), allow_plain=True)
     assert fixed.node_counts == (4, 4)
+
+
+def draft_seconds_for(target: float, trees: object, contexts: list[int], model: LatencyModel) -> float:
+    """The drafter pass (seconds) at which adaptive's best plan for `trees` reads Ŝ = target (bisection:
+    Ŝ falls as the pass grows)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        costs = StepCosts(t_draft=middle, t_aux=0.5e-3, l_ar=18e-3)
+        speedup = plan_batch(trees, contexts, model, costs, AdaptivePolicy()).estimated_speedup
+        low, high = (middle, high) if speedup > target else (low, middle)
+    return low
+
+
+@pytest.mark.parametrize("target", [1.01, PAYING_SPEEDUP - 0.01])
+def test_plan_batch_declines_a_gain_within_the_estimates_error(target: float) -> None:
+    """A best plan that beats plain decoding by less than PAYING_SPEEDUP is declined; one just above it is
+    not."""
+    trees, contexts, model = batch_trees(2, 64, 0), [100, 100], latency()
+    assert PAYING_SPEEDUP == 1.05
+    costs = StepCosts(t_draft=draft_seconds_for(target, trees, contexts, model), t_aux=0.5e-3, l_ar=18e-3)
+    plan = plan_batch(trees, contexts, model, costs, AdaptivePolicy(), allow_plain=True)
+    assert not plan.speculates and plan.speculative_speedup == pytest.approx(target, abs=1e-6)
+    above = StepCosts(
+        t_draft=draft_seconds_for(PAYING_SPEEDUP + 0.01, trees, contexts, model), t_aux=0.5e-3, l_ar=18e-3
+    )
+    assert plan_batch(trees, contexts, model, above, AdaptivePolicy(), allow_plain=True).speculates
 
 
 def test_plan_batch_keeps_speculating_when_it_pays() -> None:

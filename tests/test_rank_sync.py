@@ -23,6 +23,7 @@ from sglang_server import free_port
 
 from bastion_sglang import kernels
 from bastion_sglang.controller import AdaptivePolicy, build_trees, plan_batch
+from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.profile import StepCosts
 from bastion_sglang.controller.roofline import RooflineModel, lookup_gpu
@@ -73,7 +74,7 @@ def _local_rows(rank: int) -> tuple[bool, kernels.TreeBatch]:
     costs = StepCosts(t_draft=DRAFT_SECONDS[rank], t_aux=5e-4, l_ar=latency.predict_plain_batch(CONTEXTS))
     plan = plan_batch(trees, CONTEXTS, latency, costs, AdaptivePolicy(), allow_plain=True)
     bonus = torch.tensor([7, 8, 9], dtype=torch.int64)
-    return plan.speculative_speedup > 1.0, kernels.flatten_trees(trees, bonus, plan.width)
+    return plan.speculative_speedup > PAYING_SPEEDUP, kernels.flatten_trees(trees, bonus, plan.width)
 
 
 def _rank_main(rank: int, port: int, out: Path) -> None:
