@@ -35,7 +35,7 @@ speculates, and before the speculation gate drafts. Not 1: the planner's Ŝ is t
 estimates (one per candidate budget), so it reads high where speculation barely pays. On the CPU demo pair
 under synthetic acceptance (MT-Bench profile, c = 32, docs/benchmarks.md), adaptive's chosen plans read
 Ŝ 1.03 and realised 0.99 per step, and the steps it drafted cost it against plain decoding; adaptive's Ŝ
-read 4-8 % over the realised speedup at c = 8 too. A plan that gains less than 5 % is within that error."""
+read 6-8 % over the realised speedup at c = 8 too. A plan that gains less than 5 % is within that error."""
 
 
 def accept_curves(
