@@ -92,11 +92,17 @@ def candidate(values: np.ndarray, ties: np.ndarray, start: int, c: int) -> tuple
 
 
 @JIT
+def ranks_before(x: tuple[float, float, int], y: tuple[float, float, int]) -> bool:
+    """Whether candidate x ranks before candidate y: value, then tie value, descending, then index ascending.
+    Bitwise operators, not `and`/`or`: no branch."""
+    return (x[0] > y[0]) | ((x[0] == y[0]) & ((x[1] > y[1]) | ((x[1] == y[1]) & (x[2] < y[2]))))
+
+
+@JIT
 def in_rank_order(x: tuple[float, float, int], y: tuple[float, float, int]):
-    """Candidates x and y in rank order: value, then tie value, descending, then index ascending. A select,
-    not a branch: which comes first is a coin toss on random rows."""
-    swap = (y[0] > x[0]) | ((y[0] == x[0]) & ((y[1] > x[1]) | ((y[1] == x[1]) & (y[2] < x[2]))))
-    return (y, x) if swap else (x, y)
+    """Candidates x and y in rank order. A select, not a branch: which comes first is a coin toss on random
+    rows."""
+    return (y, x) if ranks_before(y, x) else (x, y)
 
 
 @JIT
@@ -146,15 +152,13 @@ def rank_row(values, ties, start: int, width: int, ranked, order) -> None:
 
 @JIT
 def insertion_rank_row(values, ties, start: int, width: int, ranked, order) -> None:
-    """`rank_row` of any width: an insertion sort, stable, by value then tie value, descending."""
+    """`rank_row` of any width: an insertion sort by `ranks_before`."""
     for c in range(width):
-        value, tie = values[start + c], ties[start + c]
+        own = candidate(values, ties, start, c)
         at = c
         while at > 0:
             above = order[start + at - 1]
-            if values[start + above] > value or (
-                values[start + above] == value and ties[start + above] >= tie
-            ):
+            if ranks_before(candidate(values, ties, start, above), own):
                 break
             order[start + at] = above
             at -= 1
@@ -182,9 +186,9 @@ def best_of_row(values, ties, start: int, width: int, ranked, order) -> None:
 
 @JIT
 def batch_heap(values: np.ndarray, ties: np.ndarray, width: int, depth_count: int, nodes: int):
-    """The first `nodes` pops of every row's heap (module docstring): values, ties [B, D·K·K] float64 (ties
-    zeros where none were given). Returns (scores [B, n] float64, parents, depths, candidates [B, n] int64).
-    """
+    """The first `nodes` pops of every row's heap (module docstring): values, ties [B, D·K·K] float64 (ties:
+    the values themselves where none were given). Returns (scores [B, n] float64, parents, depths, candidates
+    [B, n] int64)."""
     batch, flat_size = values.shape
     scores = np.zeros((batch, nodes))
     parents = np.zeros((batch, nodes), dtype=np.int64)

@@ -19,6 +19,7 @@ from bastion_sglang.controller import (
     plan_batch,
 )
 from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP, first_drop
+from bastion_sglang.controller.batched import DraftTreeBatch
 from bastion_sglang.controller.latency import LatencyFit, LatencyModel
 from bastion_sglang.controller.policies import expected_accept_curve, speedup_curve
 from bastion_sglang.controller.profile import StepCosts
@@ -268,7 +269,9 @@ def test_plan_batch_declines_when_no_tree_pays() -> None:
     assert fixed.node_counts == (4, 4)
 
 
-def draft_seconds_for(target: float, trees: object, contexts: list[int], model: LatencyModel) -> float:
+def draft_seconds_for(
+    target: float, trees: DraftTreeBatch, contexts: list[int], model: LatencyModel
+) -> float:
     """The drafter pass (seconds) at which adaptive's best plan for `trees` reads Ŝ = target (bisection:
     Ŝ falls as the pass grows)."""
     low, high = 0.0, 1.0
