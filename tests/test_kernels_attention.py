@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bastion_sglang.kernels import TreeBatch, build_verify_layout, topk_logprobs, tree_attention
+from bastion_sglang.kernels import TreeBatch, build_verify_layout, reference, topk_logprobs, tree_attention
 
 
 def random_tree(gen: torch.Generator, width: int) -> TreeBatch:
@@ -96,6 +96,20 @@ def test_tree_attention_rejects_bad_inputs():
         tree_attention(q.reshape(3, 32), kv, kv, mask, 1.0)
     with pytest.raises(ValueError, match="scale must be a finite float, got nan"):
         tree_attention(q, kv, kv, mask, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_logprobs_in_blocks_is_the_one_call_bit_for_bit(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(5, 7, 300, generator=gen) * 4).to(dtype)
+    logits[1, 2, :40] = 3.0  # ties across the top-k's boundary
+    logits[3] = logits[3, 0]  # whole rows alike
+    one_call = reference.topk_logprobs(logits, 9)
+    for block_rows in (1, 4, 32, 35, 64):  # 35 rows in all: partial, exact and single blocks
+        blocked = reference.topk_logprobs_in_blocks(logits, 9, block_rows)
+        assert torch.equal(blocked.logprobs, one_call.logprobs)
+        assert torch.equal(blocked.token_ids, one_call.token_ids)
+    assert torch.equal(topk_logprobs(logits, 300).token_ids, reference.topk_logprobs(logits, 300).token_ids)
 
 
 def test_topk_logprobs_matches_log_softmax_topk():
