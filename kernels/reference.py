@@ -276,14 +276,14 @@ def topk_logprobs_in_blocks(logits: torch.Tensor, k: int, block_rows: int) -> Dr
     logits: [B, D, V] floating. block_rows: >= 1. Returns DraftTopK [B, D, k] as `topk_logprobs`.
     """
     rows = logits.reshape(-1, logits.shape[-1])
-    values = torch.empty(rows.shape[0], k, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
-    for start in range(0, rows.shape[0], block_rows):
-        end = start + block_rows
-        block = torch.log_softmax(rows[start:end].float(), dim=-1)
-        torch.topk(block, k, dim=-1, largest=True, sorted=True, out=(values[start:end], indices[start:end]))
+    blocks = [
+        topk_logprobs(rows[start : start + block_rows], k) for start in range(0, rows.shape[0], block_rows)
+    ]
     shape = (*logits.shape[:-1], k)
-    return DraftTopK(logprobs=values.view(shape), token_ids=indices.view(shape))
+    return DraftTopK(
+        logprobs=torch.cat([block.logprobs for block in blocks]).view(shape),
+        token_ids=torch.cat([block.token_ids for block in blocks]).view(shape),
+    )
 
 
 def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
