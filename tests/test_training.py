@@ -36,6 +36,7 @@ from bastion_sglang.training.train import (
     load_frozen_target,
     make_blocks,
     position_weights,
+    sample_positions,
     target_layer_init,
 )
 
@@ -265,6 +266,43 @@ def test_loss_decreases_on_a_fixed_batch(target: Path, frozen: FrozenTarget, dat
         optimizer.step()
         losses.append(float(result.loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_sampled_positions_follow_the_weights_and_estimate_the_full_loss(
+    target: Path, frozen: FrozenTarget, data_dir: Path
+) -> None:
+    weights = position_weights(BLOCK, 2.0)
+    labels = torch.zeros((1, 4000, BLOCK - 1), dtype=torch.long)
+    keep = sample_positions(labels, weights, torch.Generator().manual_seed(0))
+    assert keep[:, :, 0].all()
+    torch.testing.assert_close(keep.float().mean(dim=(0, 1)), weights, atol=0.03, rtol=0)
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(drafter_config(target)).eval()
+    sequences = load_training_sequences(data_dir)
+    chosen, anchors = batch_for_step(
+        sequences, TrainConfig(steps=1, batch_sequences=3, anchors_per_sequence=6), 0
+    )
+    batch = make_blocks(chosen, anchors, BLOCK, MASK_ID)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        full = block_loss(drafter, frozen.embed, frozen.lm_head, batch, weights)
+        sampled = [
+            float(
+                block_loss(
+                    drafter,
+                    frozen.embed,
+                    frozen.lm_head,
+                    batch,
+                    weights,
+                    sample_positions(batch.labels, weights, generator),
+                ).loss
+            )
+            for _ in range(400)
+        ]
+    assert full.labelled == int((batch.labels >= 0).sum())
+    assert sum(sampled) / len(sampled) == pytest.approx(float(full.loss), rel=0.02)
+    assert max(sampled) - min(sampled) > 0.01 * float(full.loss)
 
 
 def test_init_from_target_copies_the_layers_after_the_last_feature_layer(

@@ -223,7 +223,9 @@ def _prose(
         "",
         f"{summary.steps_done} of {config.steps} steps on {summary.device} ({hours:.2f} h of training),",
         f"{config.batch_sequences} sequences × {config.anchors_per_sequence} random anchors per step,",
-        f"per-position loss weights exp(-(k-1)/{config.loss_decay:g}), AdamW lr {config.lr:g} "
+        f"per-position loss weights exp(-(k-1)/{config.loss_decay:g})"
+        + (" (position k sampled with that probability)" if config.sample_positions else "")
+        + f", AdamW lr {config.lr:g} "
         f"(warmup {config.warmup_steps} steps, cosine to 0), weight decay {config.weight_decay:g}, "
         f"{config.precision}, seed {config.seed}."
         + (f" Last logged loss: {summary.final_loss:.3f} nats." if summary.final_loss is not None else ""),

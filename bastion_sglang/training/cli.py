@@ -129,6 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sequences", type=int, default=4, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     parser.add_argument("--loss-decay", type=float, default=7.0, help="γ of the weights exp(-(k-1)/γ)")
+    parser.add_argument(
+        "--sample-positions",
+        action="store_true",
+        help="send block position k through the LM head with probability exp(-(k-1)/γ) instead of "
+        "weighting every position: the same expected loss, a fraction of the LM-head cost (dflash only)",
+    )
     parser.add_argument("--lr", type=float, default=None, help="default: 6e-4 (dflash), 1e-3 (dflash2)")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument(
@@ -285,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sequences=args.batch_sequences,
         anchors_per_sequence=args.anchors,
         loss_decay=args.loss_decay,
+        sample_positions=args.sample_positions,
         lr=DEFAULT_LR if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps,
         precision=args.precision or "bf16-mixed",
