@@ -22,7 +22,7 @@ from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config, export_drafter
-from bastion_sglang.training.data import load_training_sequences, read_manifest, regenerate
+from bastion_sglang.training.data import TrainingSequence, load_training_sequences, read_manifest, regenerate
 from bastion_sglang.training.train import (
     BlockBatch,
     FrozenTarget,
@@ -37,6 +37,7 @@ from bastion_sglang.training.train import (
     make_blocks,
     position_weights,
     sample_positions,
+    step_sequences,
     target_layer_init,
 )
 
@@ -266,6 +267,26 @@ def test_loss_decreases_on_a_fixed_batch(target: Path, frozen: FrozenTarget, dat
         optimizer.step()
         losses.append(float(result.loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_natural_mix_visits_each_sequence_once_an_epoch_and_equal_mix_alternates_the_sets() -> None:
+    def sequence(key: str) -> TrainingSequence:
+        return TrainingSequence(
+            key=key, tokens=torch.zeros(4, dtype=torch.long), features=torch.empty(0, 0), prompt_length=1
+        )
+
+    sequences = [sequence(f"big/{i}") for i in range(9)] + [sequence(f"small/{i}") for i in range(3)]
+    natural = TrainConfig(steps=1, batch_sequences=4)
+    epoch = [s.key for step in range(3) for s in step_sequences(sequences, natural, step)]
+    assert sorted(epoch) == sorted(s.key for s in sequences)
+
+    equal = natural.model_copy(update={"set_mix": "equal"})
+    drawn = [s.key for step in range(6) for s in step_sequences(sequences, equal, step)]
+    assert [key.split("/")[0] for key in drawn] == ["big", "small"] * 12
+    small = [key for key in drawn if key.startswith("small/")]
+    assert all(sorted(small[i : i + 3]) == ["small/0", "small/1", "small/2"] for i in range(0, 12, 3))
+    big = [key for key in drawn if key.startswith("big/")]
+    assert sorted(big[:9]) == sorted(f"big/{i}" for i in range(9))
 
 
 def test_sampled_positions_follow_the_weights_and_estimate_the_full_loss(

@@ -222,7 +222,8 @@ def _prose(
         "## Training",
         "",
         f"{summary.steps_done} of {config.steps} steps on {summary.device} ({hours:.2f} h of training),",
-        f"{config.batch_sequences} sequences × {config.anchors_per_sequence} random anchors per step,",
+        f"{config.batch_sequences} sequences × {config.anchors_per_sequence} random anchors per step"
+        + (" (every prompt set drawn as often)," if config.set_mix == "equal" else ","),
         f"per-position loss weights exp(-(k-1)/{config.loss_decay:g})"
         + (" (position k sampled with that probability)" if config.sample_positions else "")
         + f", AdamW lr {config.lr:g} "

@@ -130,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
     parser.add_argument("--loss-decay", type=float, default=7.0, help="γ of the weights exp(-(k-1)/γ)")
     parser.add_argument(
+        "--set-mix",
+        choices=["natural", "equal"],
+        default="natural",
+        help="natural: draw training sequences in proportion to each prompt set's size; equal: draw every "
+        "set as often (a small set repeats sooner)",
+    )
+    parser.add_argument(
         "--sample-positions",
         action="store_true",
         help="send block position k through the LM head with probability exp(-(k-1)/γ) instead of "
@@ -292,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         anchors_per_sequence=args.anchors,
         loss_decay=args.loss_decay,
         sample_positions=args.sample_positions,
+        set_mix=args.set_mix,
         lr=DEFAULT_LR if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps,
         precision=args.precision or "bf16-mixed",

@@ -78,6 +78,11 @@ class TrainConfig(BaseModel):
         description="z-lab drafter folder whose weights the run starts from (`drafter_init`); its config "
         "must equal the run's",
     )
+    set_mix: Literal["natural", "equal"] = Field(
+        default="natural",
+        description="natural: sequences drawn in proportion to their prompt set's size; equal: every set "
+        "drawn as often (`step_sequences`)",
+    )
     sample_positions: bool = Field(
         default=False,
         description="put position k through the LM head with probability w_k / max w, weighted by "
@@ -342,20 +347,43 @@ def sample_anchors(
     return chosen
 
 
+def _epoch_order(count: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of `count` sequences for one epoch of one stream, seeded with (seed, epoch)."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def step_sequences(
+    sequences: list[TrainingSequence], config: TrainConfig, step: int
+) -> list[TrainingSequence]:
+    """The `batch_sequences` sequences of optimiser step `step`, a pure function of (seed, step).
+
+    natural mix: all sequences in one stream, a fresh permutation per epoch, so each set weighs its size.
+    equal mix: the step's slots go round robin over the sets (sorted by name), each set a stream of its
+    own with a fresh permutation per pass over it, so every set weighs the same whatever its size.
+    """
+    slots = range(step * config.batch_sequences, (step + 1) * config.batch_sequences)
+    if config.set_mix == "natural":
+        streams, slot_streams = [sequences], [(0, slot) for slot in slots]
+    else:
+        names = sorted({s.source for s in sequences})
+        streams = [[s for s in sequences if s.source == name] for name in names]
+        slot_streams = [(slot % len(names), slot // len(names)) for slot in slots]
+    chosen = []
+    for stream, position in slot_streams:
+        members = streams[stream]
+        epoch, index = divmod(position, len(members))
+        order = _epoch_order(len(members), config.seed + 7_919 * stream, epoch)
+        chosen.append(members[int(order[index])])
+    return chosen
+
+
 def batch_for_step(
     sequences: list[TrainingSequence], config: TrainConfig, step: int
 ) -> tuple[list[TrainingSequence], list[list[int]]]:
-    """The sequences and anchors of optimiser step `step`, a pure function of (seed, step).
-
-    Sequences are visited in a fresh permutation per epoch; anchors come from a generator seeded with
-    (seed, step), so a resumed run draws exactly the batches the uninterrupted run would have.
-    """
-    total = len(sequences)
-    chosen = []
-    for slot in range(step * config.batch_sequences, (step + 1) * config.batch_sequences):
-        epoch, index = divmod(slot, total)
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
-        chosen.append(sequences[int(order[index])])
+    """The sequences (`step_sequences`) and anchors of optimiser step `step`, a pure function of
+    (seed, step): anchors come from a generator seeded with (seed, step), so a resumed run draws exactly
+    the batches the uninterrupted run would have."""
+    chosen = step_sequences(sequences, config, step)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 1)
     return chosen, sample_anchors(chosen, config.anchors_per_sequence, generator)
 
