@@ -318,14 +318,12 @@ def block_loss(
     hidden = hidden.view(sequences, count, predicted + 1, -1)[:, :, 1:]  # [S, n, B-1, h]
     valid = batch.labels >= 0
     weights = weights.to(hidden.device)
-    all_weight = weights[None, None, :].expand_as(batch.labels)[valid].sum()
+    per_position = weights[None, None, :].expand_as(batch.labels)  # [S, n, B-1]
+    all_weight = per_position[valid].sum()
     rows = valid if keep is None else valid & keep
     logits = F.linear(hidden[rows], lm_head.to(hidden.dtype)).float()  # [M, V]
     labels = batch.labels[rows]
-    if keep is None:
-        position_weight = weights[None, None, :].expand_as(batch.labels)[rows]
-    else:
-        position_weight = weights.max().expand(labels.shape)
+    position_weight = per_position[rows] if keep is None else weights.max().expand(labels.shape)
     loss = (position_weight * F.cross_entropy(logits, labels, reduction="none")).sum() / all_weight
     is_first = torch.zeros_like(batch.labels, dtype=torch.bool)
     is_first[:, :, 0] = True
