@@ -220,6 +220,10 @@ def test_train_drafter_dflash2_end_to_end(
     assert main([*argv, "--resume"]) == 0
     with pytest.raises(SystemExit, match="pass --resume"):
         main(argv)
+    with pytest.raises(SystemExit, match="--sample-positions samples the DFlash loss"):
+        main([*argv, "--sample-positions"])
+    with pytest.raises(SystemExit, match="--distill weighs the DFlash loss"):
+        main([*argv, "--distill", "0.5"])
     without = [a for a in argv if a not in ("--init-from-drafter", str(backbone_path))]
     with pytest.raises(SystemExit, match="pass --init-from-drafter"):
         main(without)

@@ -6,6 +6,7 @@ Runs on a tiny random Llama target (tests/tiny_models.py); one test starts a rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from tiny_models import MASK_ID, make_tiny_target
 
 from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
 from bastion_sglang.cli import main
+from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
+from bastion_sglang.training.cli import build_drafter_config
 from bastion_sglang.training.data import target_fingerprint
 from bastion_sglang.training.target_features import TargetFeatures, training_sequence
 from bastion_sglang.training.token_data import (
@@ -31,6 +34,13 @@ from bastion_sglang.training.token_data import (
     write_token_manifest,
 )
 from bastion_sglang.training.token_train import VALIDATION_STRIDE, load_token_training, validation_keys
+from bastion_sglang.training.train import (
+    block_loss,
+    drafter_forward,
+    load_frozen_target,
+    make_blocks,
+    position_weights,
+)
 
 LAYER_IDS = (1, 2)
 MAX_NEW_TOKENS = 12
@@ -223,6 +233,74 @@ def test_features_from_ids_equal_the_targets_hidden_states(target: Path, token_d
         TargetFeatures(target, (1, 4), torch.device("cpu"))
 
 
+def test_teacher_hidden_states_give_the_targets_logits(target: Path, token_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    sequences = [training_sequence(s) for s in load_token_data(token_dir)[:3]]
+    plain = TargetFeatures(target, LAYER_IDS, torch.device("cpu")).fill(sequences)
+    taught = TargetFeatures(target, LAYER_IDS, torch.device("cpu"), teacher=True).fill(sequences)
+    assert all(s.teacher_hidden is None for s in plain)
+    lm_head = load_frozen_target(target, torch.device("cpu")).lm_head
+    for with_teacher, without in zip(taught, plain, strict=True):
+        torch.testing.assert_close(with_teacher.features, without.features)
+        assert with_teacher.teacher_hidden is not None
+        with torch.no_grad():
+            logits = model(with_teacher.tokens[None]).logits[0]
+        torch.testing.assert_close(
+            torch.nn.functional.linear(with_teacher.teacher_hidden, lm_head), logits, atol=1e-4, rtol=1e-4
+        )
+
+
+def test_distilled_loss_mixes_the_targets_token_and_distribution_position_by_position(
+    target: Path, token_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    block = 6
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    frozen = load_frozen_target(target, torch.device("cpu"))
+    config = build_drafter_config(
+        json.loads((target / "config.json").read_text()),
+        layers=1,
+        block_size=block,
+        layer_ids=list(LAYER_IDS),
+        mask_token_id=MASK_ID,
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).eval()
+    features = TargetFeatures(target, LAYER_IDS, torch.device("cpu"), teacher=True)
+    sequences = features.fill([training_sequence(s) for s in load_token_data(token_dir)[:2]])
+    anchors = [[s.anchor_range[0], s.anchor_range[-1]] for s in sequences]  # a full block and a cut one
+    batch = make_blocks(sequences, anchors, block, MASK_ID)
+    weights = position_weights(block, 2.0)
+    alpha = 0.3
+    with torch.no_grad():
+        mixed = block_loss(drafter, frozen.embed, frozen.lm_head, batch, weights, distill=alpha).loss
+        hidden = drafter_forward(drafter, frozen.embed, batch).view(2, 2, block, -1)
+        total, weight_sum = 0.0, 0.0
+        for s, sequence in enumerate(sequences):
+            teacher = torch.log_softmax(model(sequence.tokens[None]).logits[0], dim=-1)  # [T, V]
+            for j, anchor in enumerate(anchors[s]):
+                for k in range(1, block):
+                    if anchor + k >= sequence.tokens.shape[0]:
+                        continue
+                    drafted = torch.log_softmax(hidden[s, j, k] @ frozen.lm_head.T, dim=-1)
+                    hard = -drafted[sequence.tokens[anchor + k]]
+                    soft = -(teacher[anchor + k - 1].exp() * drafted).sum()
+                    total += float(weights[k - 1] * ((1 - alpha) * hard + alpha * soft))
+                    weight_sum += float(weights[k - 1])
+        hard_only = block_loss(drafter, frozen.embed, frozen.lm_head, batch, weights).loss
+    assert float(mixed) == pytest.approx(total / weight_sum, rel=1e-4)
+    assert abs(float(mixed) - float(hard_only)) > 1e-3  # the target's distribution is not one-hot
+    bare = make_blocks(
+        [dataclasses.replace(s, teacher_hidden=None) for s in sequences], anchors, block, MASK_ID
+    )
+    assert bare.teacher_hidden is None
+    with pytest.raises(ValueError, match="needs the target's last hidden states"):
+        block_loss(drafter, frozen.embed, frozen.lm_head, bare, weights, distill=alpha)
+
+
 def test_validation_sequences_are_every_fourth_of_the_first_and_never_trained(token_dir: Path) -> None:
     keys = [f"s/{i}" for i in range(10)]
     assert validation_keys(keys, 2) == {"s/0", "s/4"}
@@ -285,13 +363,24 @@ def test_train_drafter_on_token_data_end_to_end(
     )
     assert main([*argv, "--resume"]) == 0
     follow = [*argv[:4], str(tmp_path / "follow"), *argv[5:], "--init-from-drafter", str(tmp_path / "out")]
-    assert main(follow) == 0
+    assert main([*follow, "--distill", "0.5"]) == 0
+    assert read_card_metadata(tmp_path / "follow" / "README.md").bastion_training.config.distill == 0.5
+    assert (
+        "0.5 × the cross-entropy to the target's next-token distribution"
+        in (tmp_path / "follow" / "README.md").read_text()
+    )
     state = json.loads((tmp_path / "data" / "runs" / "follow" / "state.json").read_text())
     assert [p["step"] for p in state["acceptance"]] == [0, 3]  # the starting drafter, measured first
     assert [p["step"] for p in state["validation"]] == [0, 3]
     other = make_tiny_target(tmp_path / "other", arch="llama", num_layers=4, initializer_range=0.2, seed=1)
     with pytest.raises(SystemExit, match="was generated with another target"):
         main([*argv[:2], str(other), *argv[3:4], str(tmp_path / "o2"), *argv[5:]])
+    with pytest.raises(SystemExit, match=r"--distill is a weight in \[0, 1\], got 1.5"):
+        main([*argv, "--distill", "1.5"])
+    token_flag = argv.index("--token-data")
+    without_tokens = argv[:token_flag] + argv[token_flag + 2 :]
+    with pytest.raises(SystemExit, match="--distill needs --token-data"):
+        main([*without_tokens, "--distill", "0.5"])
 
 
 def test_token_sequence_source_is_the_set() -> None:

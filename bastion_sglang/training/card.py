@@ -226,6 +226,12 @@ def _prose(
         + (" (every prompt set drawn as often)," if config.set_mix == "equal" else ","),
         f"per-position loss weights exp(-(k-1)/{config.loss_decay:g})"
         + (" (position k sampled with that probability)" if config.sample_positions else "")
+        + (
+            f", each position's loss {1 - config.distill:g} × the target token's cross-entropy + "
+            f"{config.distill:g} × the cross-entropy to the target's next-token distribution"
+            if config.distill > 0
+            else ""
+        )
         + f", AdamW lr {config.lr:g} "
         f"(warmup {config.warmup_steps} steps, cosine to 0), weight decay {config.weight_decay:g}, "
         f"{config.precision}, seed {config.seed}."

@@ -142,6 +142,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send block position k through the LM head with probability exp(-(k-1)/γ) instead of "
         "weighting every position: the same expected loss, a fraction of the LM-head cost (dflash only)",
     )
+    parser.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        metavar="ALPHA",
+        help="weight α in [0, 1] of the cross-entropy to the target's next-token distribution at each "
+        "position, 1 - α that of the target's token (soft labels; needs --token-data, which runs the "
+        "target's last layers and LM head for them; dflash only; default 0: the target's tokens alone)",
+    )
     parser.add_argument("--lr", type=float, default=None, help="default: 6e-4 (dflash), 1e-3 (dflash2)")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument(
@@ -238,6 +247,13 @@ def run(args: argparse.Namespace) -> int:
         layer_ids = args.target_layer_ids or list(
             default_target_layer_ids(num_layers, DEFAULT_FEATURE_LAYERS)
         )
+    if not 0.0 <= args.distill <= 1.0:
+        raise SystemExit(f"error: --distill is a weight in [0, 1], got {args.distill}")
+    if args.distill > 0 and args.token_data is None:
+        raise SystemExit(
+            "error: --distill needs --token-data: the target's distributions are computed from the token "
+            "ids at each step, and regenerated training data stores the read layers only"
+        )
     if len(set(layer_ids)) != len(layer_ids):
         raise SystemExit(
             f"error: target layer ids {layer_ids} repeat a layer; pass distinct --target-layer-ids"
@@ -300,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         loss_decay=args.loss_decay,
         sample_positions=args.sample_positions,
         set_mix=args.set_mix,
+        distill=args.distill,
         lr=DEFAULT_LR if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps,
         precision=args.precision or "bf16-mixed",
@@ -450,7 +467,7 @@ def _token_training(
             f"error: --token-data {args.token_data} was generated with another target (fingerprint "
             f"{data.manifest.settings.target_fingerprint[:12]}, --target has {fingerprint[:12]})"
         )
-    features = TargetFeatures(target, layer_ids, device)
+    features = TargetFeatures(target, layer_ids, device, teacher=args.distill > 0)
     logger.info(
         "%s: %d training and %d validation sequences (%d chunks)",
         args.token_data,

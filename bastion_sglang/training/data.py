@@ -348,6 +348,9 @@ class TrainingSequence:
     tokens: torch.Tensor
     features: torch.Tensor
     prompt_length: int
+    # [T, h] float32: the target's last hidden states (after its final norm), whose LM-head rows are its
+    # next-token distributions (`train.TrainConfig.distill`); None where the run does not distil
+    teacher_hidden: torch.Tensor | None = None
 
     @property
     def source(self) -> str:

@@ -46,10 +46,9 @@ def backbone_config(args: argparse.Namespace, target_config: Mapping[str, Any]) 
         )
     if args.precision not in (None, "fp32"):
         raise SystemExit(f"error: --arch dflash2 trains in fp32, got --precision {args.precision}")
-    if args.sample_positions:
-        raise SystemExit(
-            "error: --sample-positions samples the DFlash loss; --arch dflash2 trains a selector"
-        )
+    if args.sample_positions or args.distill:
+        flag = "--sample-positions samples" if args.sample_positions else "--distill weighs"
+        raise SystemExit(f"error: {flag} the DFlash loss; --arch dflash2 trains a selector")
     try:
         config = DrafterConfig.from_json(args.init_from_drafter)
         check_drafter_fits(config, target_config)

@@ -4,7 +4,9 @@ Committed training data holds token ids only (`training.token_data`); the drafte
 the target's layers `target_layer_ids` at every position. `TargetFeatures` runs the target's decoder (HF,
 float32) on a batch of sequences, truncated after the deepest read layer (the layers above it, the final
 norm and the LM head are never run), and records the read layers' outputs with forward hooks: the
-`hidden_states[l + 1]` of a full forward, as `data.generate_with_features` captures them.
+`hidden_states[l + 1]` of a full forward, as `data.generate_with_features` captures them. With
+`teacher=True` (`train.TrainConfig.distill`) it runs every layer and the final norm as well and keeps that
+last hidden state of every position, from which the loss computes the target's next-token distributions.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ def training_sequence(sequence: TokenSequence) -> TrainingSequence:
 
 
 class TargetFeatures:
-    """Computes [T, F·h] bf16 features of sequences with the target's first max(layer_ids) + 1 layers."""
+    """Computes [T, F·h] bf16 features of sequences with the target's first max(layer_ids) + 1 layers, or
+    with every layer and the final norm when `teacher` (then also the [T, h] float32 last hidden states)."""
 
-    def __init__(self, target: Path, layer_ids: Sequence[int], device: torch.device) -> None:
+    def __init__(
+        self, target: Path, layer_ids: Sequence[int], device: torch.device, teacher: bool = False
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
@@ -43,16 +48,19 @@ class TargetFeatures:
         bad = [i for i in layer_ids if not 0 <= i < len(layers)]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside 0..{len(layers) - 1} of {target}'s layers")
-        model.model.layers = layers[: max(layer_ids) + 1]
+        if not teacher:
+            model.model.layers = layers[: max(layer_ids) + 1]
         self.decoder = model.model.to(device).eval()
         self.layer_ids = tuple(layer_ids)
         self.device = device
+        self.teacher = teacher
 
     @torch.no_grad()
-    def compute(self, token_rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Features of each token row ([T_i] int64) -> [T_i, F·h] bfloat16, in layer_ids order.
+    def compute(self, token_rows: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(features, last hidden) of each token row ([T_i] int64): features [T_i, F·h] bfloat16 in
+        layer_ids order; last hidden [T_i, h] float32 after the final norm when `teacher`, else None.
 
-        The rows run as one right-padded batch; a row's features depend on its own tokens only (causal
+        The rows run as one right-padded batch; a row's outputs depend on its own tokens only (causal
         attention, padding masked out).
         """
         captured: dict[int, torch.Tensor] = {}
@@ -71,19 +79,30 @@ class TargetFeatures:
             mask[i, : row.shape[0]] = 1
         handles = [self.decoder.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
         try:
-            self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            output = self.decoder(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+            )
         finally:
             for handle in handles:
                 handle.remove()
         stacked = torch.cat([captured[i] for i in self.layer_ids], dim=-1).to(torch.bfloat16).cpu()
-        return [stacked[i, : row.shape[0]] for i, row in enumerate(token_rows)]
+        last = output.last_hidden_state.float().cpu() if self.teacher else None
+        return [
+            (stacked[i, : row.shape[0]], None if last is None else last[i, : row.shape[0]])
+            for i, row in enumerate(token_rows)
+        ]
 
     def fill(self, sequences: Sequence[TrainingSequence]) -> list[TrainingSequence]:
-        """The sequences with their features computed (those that already have features kept as they are)."""
-        todo = [i for i, s in enumerate(sequences) if s.features.numel() == 0]
+        """The sequences with their features (and, when `teacher`, last hidden states) computed; those that
+        already have them are kept as they are."""
+        todo = [
+            i
+            for i, s in enumerate(sequences)
+            if s.features.numel() == 0 or (self.teacher and s.teacher_hidden is None)
+        ]
         result = list(sequences)
         if todo:
-            features = self.compute([sequences[i].tokens for i in todo])
-            for i, rows in zip(todo, features, strict=True):
-                result[i] = dataclasses.replace(sequences[i], features=rows)
+            outputs = self.compute([sequences[i].tokens for i in todo])
+            for i, (features, last) in zip(todo, outputs, strict=True):
+                result[i] = dataclasses.replace(sequences[i], features=features, teacher_hidden=last)
         return result

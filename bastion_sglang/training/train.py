@@ -19,6 +19,10 @@ learns. The target's embedding and LM head are frozen and shared, not part of th
 With `TrainConfig.sample_positions` each labelled position k goes through the LM head only with
 probability p_k = w_k / max w, weighted by w_k / p_k: an unbiased estimate of the same loss at Σ p_k / (B-1)
 of the LM-head cost (0.29 for B = 16, γ = 4), which on a CPU is most of a step (`sample_positions`).
+With `TrainConfig.distill` = α the loss at each position is (1 - α)·CE(target token) + α·H(p, q): the
+cross-entropy of the drafter's distribution q to the target's own next-token distribution p at that
+position (its LM head on its last hidden state), which tells the drafter how sure the target was and what
+else it considered, not only its choice (soft labels, as EAGLE trains its drafters).
 Optimiser: AdamW, linear warmup then cosine decay to zero; bf16 autocast (fp32 master weights).
 Initialisation: random; or (`TrainConfig.init_from_target`) the target layers that follow the last feature
 layer, which reach a given loss in fewer steps when training time is short (`target_layer_init`); or
@@ -87,6 +91,13 @@ class TrainConfig(BaseModel):
         default=False,
         description="put position k through the LM head with probability w_k / max w, weighted by "
         "max w (`sample_positions`): the same expected loss at a fraction of the LM-head cost",
+    )
+    distill: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="α: weight of the cross-entropy to the target's next-token distribution, 1 - α that of "
+        "the target's token (`block_loss`); 0 trains on the target's tokens alone",
     )
 
     @model_validator(mode="after")
@@ -170,19 +181,24 @@ class BlockBatch:
     anchors: [S, n] int64 anchor positions (0 for padding blocks).
     noise_ids: [S, n·B] int64, block j = [t_{a_j}, mask × (B-1)].
     labels: [S, n, B-1] int64, t_{a_j+k} at block position k, -100 where there is none.
+    teacher_hidden: [S, T, h] float32 the target's last hidden states, zero-padded, when every sequence
+    has them (`TrainingSequence.teacher_hidden`), else None.
     """
 
     features: torch.Tensor
     anchors: torch.Tensor
     noise_ids: torch.Tensor
     labels: torch.Tensor
+    teacher_hidden: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
         return int(self.labels.shape[2]) + 1
 
     def to(self, device: torch.device) -> BlockBatch:
-        return BlockBatch(*(t.to(device) for t in (self.features, self.anchors, self.noise_ids, self.labels)))
+        teacher = None if self.teacher_hidden is None else self.teacher_hidden.to(device)
+        tensors = (self.features, self.anchors, self.noise_ids, self.labels)
+        return BlockBatch(*(t.to(device) for t in tensors), teacher_hidden=teacher)
 
 
 def make_blocks(
@@ -211,7 +227,20 @@ def make_blocks(
             noise[row, j, 0] = sequence.tokens[anchor]
             targets = sequence.tokens[anchor + 1 : anchor + block_size]
             labels[row, j, : targets.shape[0]] = targets
-    return BlockBatch(features, anchor_tensor, noise.view(len(sequences), -1), labels)
+    return BlockBatch(
+        features, anchor_tensor, noise.view(len(sequences), -1), labels, teacher_hidden(sequences, width)
+    )
+
+
+def teacher_hidden(sequences: list[TrainingSequence], width: int) -> torch.Tensor | None:
+    """[S, width, h] float32: the sequences' `teacher_hidden`, zero-padded; None unless all have them."""
+    rows = [s.teacher_hidden for s in sequences]
+    if any(row is None for row in rows):
+        return None
+    out = torch.zeros((len(rows), width, int(rows[0].shape[1])), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out
 
 
 def block_attention_mask(anchors: torch.Tensor, context_width: int, block_size: int) -> torch.Tensor:
@@ -280,6 +309,28 @@ def drafter_forward(drafter: DFlashDrafter, embed: torch.nn.Embedding, batch: Bl
     return drafter.norm(x)
 
 
+def teacher_log_probs(
+    batch: BlockBatch, rows: torch.Tensor, lm_head: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token log-probabilities behind the labels at `rows` (bool [S, n, B-1]).
+
+    The label at block position k of anchor a is t_{a+k}, which the target chose at position a+k-1; the
+    rows' positions repeat (blocks overlap), so the LM head runs once per distinct position.
+    Returns (log_probs [U, V] float32, index [M] int64: row m's distribution is log_probs[index[m]]).
+    """
+    if batch.teacher_hidden is None:
+        raise ValueError("distillation needs the target's last hidden states (BlockBatch.teacher_hidden)")
+    sequences, width, _ = batch.teacher_hidden.shape
+    offsets = torch.arange(batch.labels.shape[2], device=rows.device)
+    positions = batch.anchors[:, :, None] + offsets[None, None, :]  # [S, n, B-1]: a + k - 1 for k = 1..B-1
+    flat = (torch.arange(sequences, device=rows.device)[:, None, None] * width + positions)[rows]  # [M]
+    distinct, index = torch.unique(flat, return_inverse=True)
+    hidden = batch.teacher_hidden.reshape(sequences * width, -1)[distinct]  # [U, h]
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # float32 under bf16-mixed
+        log_probs = F.log_softmax(F.linear(hidden, lm_head.float()), dim=-1)
+    return log_probs, index
+
+
 @dataclass(frozen=True)
 class LossResult:
     """loss: weighted mean cross-entropy (scalar, differentiable); labelled: positions with a label;
@@ -306,12 +357,15 @@ def block_loss(
     batch: BlockBatch,
     weights: torch.Tensor,
     keep: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> LossResult:
     """Σ w_k·CE(t_{a+k}) / Σ w_k over labelled positions; lm_head [V, h] frozen, weights [B-1].
 
     keep: bool [S, n, B-1] from `sample_positions`, or None for every position. Only kept positions go
     through the LM head, each weighted max w (= w_k / p_k); the denominator stays Σ w_k over every labelled
     position, so the loss's expectation over keep is the full loss.
+    distill: α in [0, 1]; above 0 each position's term is (1 - α)·CE(t_{a+k}) + α·H(p, q), p the target's
+    distribution (`teacher_log_probs`, needs batch.teacher_hidden) and q the drafter's.
     """
     hidden = drafter_forward(drafter, embed, batch)
     sequences, count, predicted = batch.labels.shape
@@ -324,7 +378,12 @@ def block_loss(
     logits = F.linear(hidden[rows], lm_head.to(hidden.dtype)).float()  # [M, V]
     labels = batch.labels[rows]
     position_weight = per_position[rows] if keep is None else weights.max().expand(labels.shape)
-    loss = (position_weight * F.cross_entropy(logits, labels, reduction="none")).sum() / all_weight
+    per_row = F.cross_entropy(logits, labels, reduction="none")  # [M]
+    if distill > 0:
+        teacher, index = teacher_log_probs(batch, rows, lm_head)
+        soft = -(teacher.exp()[index] * F.log_softmax(logits, dim=-1)).sum(-1)  # [M] H(p, q)
+        per_row = (1 - distill) * per_row + distill * soft
+    loss = (position_weight * per_row).sum() / all_weight
     is_first = torch.zeros_like(batch.labels, dtype=torch.bool)
     is_first[:, :, 0] = True
     is_first = is_first[rows]  # [M]: rows of block position 1
@@ -607,6 +666,7 @@ class Trainer:
                 batch,
                 self.weights,
                 self.keep(batch, step),
+                self.config.distill,
             )
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
