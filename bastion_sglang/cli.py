@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "demo": "bastion_sglang.demo.target",
     "train-drafter": "bastion_sglang.training.cli",
+    "compare-drafters": "bastion_sglang.training.compare_cli",
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",
     "bench": "bastion_sglang.bench.cli",

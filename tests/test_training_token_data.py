@@ -20,6 +20,7 @@ from bastion_sglang.cli import main
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config
+from bastion_sglang.training.compare_cli import DrafterComparison
 from bastion_sglang.training.data import target_fingerprint
 from bastion_sglang.training.target_features import TargetFeatures, training_sequence
 from bastion_sglang.training.token_data import (
@@ -35,11 +36,15 @@ from bastion_sglang.training.token_data import (
 )
 from bastion_sglang.training.token_train import VALIDATION_STRIDE, load_token_training, validation_keys
 from bastion_sglang.training.train import (
+    TrainConfig,
+    TrainingState,
     block_loss,
+    chain_acceptance,
     drafter_forward,
     load_frozen_target,
     make_blocks,
     position_weights,
+    step_sequences,
 )
 
 LAYER_IDS = (1, 2)
@@ -386,3 +391,68 @@ def test_train_drafter_on_token_data_end_to_end(
 def test_token_sequence_source_is_the_set() -> None:
     sequence = TokenSequence("sharegpt/abc_0", np.array([1]), np.array([2, 3]))
     assert sequence.source == "sharegpt"
+
+
+# --- compare-drafters ---------------------------------------------------------------------------------------
+
+
+def test_compare_drafters_measures_every_drafter_on_the_same_sequences_none_of_them_saw(
+    target: Path, token_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    config = build_drafter_config(
+        json.loads((target / "config.json").read_text()),
+        layers=1,
+        block_size=8,
+        layer_ids=list(LAYER_IDS),
+        mask_token_id=MASK_ID,
+    )
+    drafters = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        drafters.append(DFlashDrafter(config).save_pretrained(tmp_path / f"drafter-{seed}"))
+    run = tmp_path / "run"
+    run.mkdir()
+    run_config = TrainConfig(steps=9, batch_sequences=2)
+    state = TrainingState(
+        config=run_config, drafter_config=config, step=2, seconds=1.0, supervised_positions=10
+    )
+    (run / "state.json").write_text(state.model_dump_json())
+    train = load_token_training(token_dir, 2).train
+    drawn = {s.key for step in range(2) for s in step_sequences(train, run_config, step)}
+    first = {p.key for p in load_prompts(prompt_file, "train")[:3]}
+    manifest = read_token_manifest(token_dir)
+    assert manifest is not None
+    expected = [key for key in manifest.done_keys if key not in drawn | first]  # every unseen one
+    argv = [
+        "compare-drafters",
+        "--target", str(target),
+        "--token-data", str(token_dir),
+        "--drafter", str(drafters[0]),
+        "--drafter", str(drafters[1]),
+        "--skip-first-per-set", "3",
+        "--unseen-by", str(run),
+        "--validation-sequences", "2",
+        "--sequences", str(len(expected)),
+        "--stride", "2",
+        "--out", str(tmp_path / "comparison.json"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    comparison = DrafterComparison.model_validate_json((tmp_path / "comparison.json").read_text())
+    assert comparison.sequence_keys == expected and len(drawn) == 4
+    by_key = {
+        s.key: s
+        for s in load_token_training(token_dir, 2).train + load_token_training(token_dir, 2).validation
+    }
+    measured = TargetFeatures(target, LAYER_IDS, torch.device("cpu")).fill([by_key[k] for k in expected])
+    frozen = load_frozen_target(target, torch.device("cpu"))
+    for path, score in zip(drafters, comparison.scores, strict=True):
+        drafter = DFlashDrafter.from_pretrained(path).eval()
+        direct = chain_acceptance(drafter, frozen, measured, stride=2, precision="fp32")
+        assert score.drafter == str(path) and score.acceptance == direct
+
+    with pytest.raises(
+        SystemExit, match=f"are unseen by every drafter, fewer than --sequences {len(expected) + 1}"
+    ):
+        main([*argv[:-6], "--sequences", str(len(expected) + 1)])
+    with pytest.raises(SystemExit, match=r"state\.json: no training state; --unseen-by takes a run folder"):
+        main([*argv[:-10], "--unseen-by", str(tmp_path), *argv[-8:]])
