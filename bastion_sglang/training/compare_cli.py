@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.assets.prompt_sets import load_prompts
 from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
@@ -37,9 +37,9 @@ from bastion_sglang.training.token_train import load_token_training
 from bastion_sglang.training.train import (
     STATE_JSON_NAME,
     AcceptanceReport,
-    TrainingState,
     chain_acceptance,
     load_frozen_target,
+    read_training_state,
     step_sequences,
 )
 
@@ -109,13 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def drawn_keys(run: Path, train: list[TrainingSequence]) -> set[str]:
     """Keys of every sequence the run in folder `run` drew in its steps so far, over its training list
     `train` (ValueError naming the file when its state cannot be read)."""
-    path = run / STATE_JSON_NAME
-    try:
-        state = TrainingState.model_validate_json(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no training state; --unseen-by takes a run folder") from None
-    except ValidationError as error:
-        raise ValueError(f"{path}: not a training state: {error}") from None
+    state = read_training_state(run / STATE_JSON_NAME, "no training state; --unseen-by takes a run folder")
     return {s.key for step in range(state.step) for s in step_sequences(train, state.config, step)}
 
 

@@ -378,10 +378,11 @@ def block_loss(
     logits = F.linear(hidden[rows], lm_head.to(hidden.dtype)).float()  # [M, V]
     labels = batch.labels[rows]
     position_weight = per_position[rows] if keep is None else weights.max().expand(labels.shape)
-    per_row = F.cross_entropy(logits, labels, reduction="none")  # [M]
+    log_q = F.log_softmax(logits, dim=-1)  # [M, V] the drafter's log-probabilities, once for both terms
+    per_row = F.nll_loss(log_q, labels, reduction="none")  # [M] CE(t_{a+k})
     if distill > 0:
         teacher, index = teacher_log_probs(batch, rows, lm_head)
-        soft = -(teacher.exp()[index] * F.log_softmax(logits, dim=-1)).sum(-1)  # [M] H(p, q)
+        soft = -(teacher.exp()[index] * log_q).sum(-1)  # [M] H(p, q)
         per_row = (1 - distill) * per_row + distill * soft
     loss = (position_weight * per_row).sum() / all_weight
     is_first = torch.zeros_like(batch.labels, dtype=torch.bool)
@@ -554,6 +555,17 @@ def load_frozen_target(target: Path, device: torch.device) -> FrozenTarget:
     return FrozenTarget(embed=embed, lm_head=head.to(device))
 
 
+def read_training_state(path: Path, missing: str) -> TrainingState:
+    """The run state in `path` (a state.json); ValueError naming the file: "<path>: <missing>" when it is
+    absent, or what does not validate."""
+    try:
+        return TrainingState.model_validate_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: {missing}") from None
+    except ValidationError as error:
+        raise ValueError(f"{path}: not a training state: {error}") from None
+
+
 class Trainer:
     """Runs `TrainConfig.steps` optimiser steps with checkpoints in `state_dir`, resumable."""
 
@@ -605,12 +617,7 @@ class Trainer:
     def resume(self) -> None:
         """Load state.json and state.pt from state_dir; ValueError naming a setting that differs."""
         json_path = self.state_dir / STATE_JSON_NAME
-        try:
-            stored = TrainingState.model_validate_json(json_path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ValueError(f"{json_path}: no training state to resume; run without --resume") from None
-        except ValidationError as error:
-            raise ValueError(f"{json_path}: not a training state: {error}") from None
+        stored = read_training_state(json_path, "no training state to resume; run without --resume")
         for name, (old, new) in {
             "config": (stored.config, self.config),
             "drafter_config": (stored.drafter_config, self.state.drafter_config),
