@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "bastion_sglang.demo.target",
     "train-drafter": "bastion_sglang.training.cli",
     "compare-drafters": "bastion_sglang.training.compare_cli",
+    "draft-vocab": "bastion_sglang.training.draft_vocab_cli",
     "calibrate": "bastion_sglang.calibration.cli",
     "profile": "bastion_sglang.calibration.profile_cli",
     "bench": "bastion_sglang.bench.cli",

@@ -51,6 +51,7 @@ from bastion_sglang.integration.config import (
     default_startup_calibration,
     default_width_buckets,
 )
+from bastion_sglang.integration.draft_vocab import DraftVocabChoice
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -187,6 +188,16 @@ FLAGS: tuple[_Flag, ...] = (
         "full: bastion calibrate's width grid up to 8192 tokens of context and 24 prompts; off: plan on the "
         "uncalibrated roofline corrected online.",
     ),
+    _Flag(
+        "--bastion-draft-vocab",
+        "bastion_draft_vocab",
+        str,
+        "auto|full|PATH",
+        "BASTION: the tokens the draft step scores with the target's LM head. auto (default): the drafter "
+        "folder's draft_vocab.json (written by `bastion draft-vocab`) when it has one, else every token; "
+        "full: every token; PATH: a draft_vocab.json. A smaller vocabulary makes the draft step cheaper "
+        "where the head is bound by its weight reads; output stays the target's either way.",
+    ),
 )
 
 
@@ -201,13 +212,15 @@ def make_config(
     overlap: bool | None = None,
     startup_calibration: StartupMode | None = None,
     synthetic_acceptance: str | None = None,
+    draft_vocab: str | None = None,
 ) -> BastionConfig:
     """BastionConfig from the command-line spellings (None: the default). ValueError names a bad value.
 
     policy: adaptive | bucketed | fixed:N | chain. profile: "auto" or a path to a calibration profile.
     overlap: whether SGLang's overlap scheduler may run BASTION (default False). startup_calibration:
     off | quick | full (default `config.default_startup_calibration`). synthetic_acceptance: a
-    `synthetic_acceptance` profile file (speed benchmarks only; None: off).
+    `synthetic_acceptance` profile file (speed benchmarks only; None: off). draft_vocab: auto | full | a
+    draft vocabulary file (default auto).
     """
     budget = DEFAULT_MAX_BUDGET if max_budget is None else max_budget
     if isinstance(budget, int) and budget > MAX_BUDGET_LIMIT:
@@ -236,7 +249,14 @@ def make_config(
         if startup_calibration is None
         else startup_calibration,
         synthetic_acceptance=None if synthetic_acceptance is None else Path(synthetic_acceptance),
+        draft_vocab=_draft_vocab_choice(draft_vocab),
     )
+
+
+def _draft_vocab_choice(text: str | None) -> DraftVocabChoice:
+    """auto (None too), full, or the Path of any other spelling."""
+    value = "auto" if text is None else text.strip()
+    return value.lower() if value.lower() in ("auto", "full") else Path(value)  # type: ignore[return-value]
 
 
 def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
@@ -253,6 +273,7 @@ def config_from_namespace(args: argparse.Namespace) -> BastionConfig | None:
         topk=given["bastion_topk"],
         overlap=given["bastion_overlap_schedule"],
         startup_calibration=given["bastion_startup_calibration"],
+        draft_vocab=given["bastion_draft_vocab"],
     )
 
 
@@ -501,6 +522,7 @@ def handle_server_args(server_args: Any) -> None:
     from sglang.srt.utils.hf_transformers_utils import get_config
 
     from bastion_sglang.controller.profile import load_profile
+    from bastion_sglang.integration.draft_vocab import resolve_draft_vocabulary
     from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
 
     config = config_of(server_args)
@@ -546,6 +568,13 @@ def handle_server_args(server_args: Any) -> None:
         raise ValueError(f"the drafter's block size must be >= 2 (bonus + one mask), got {block_size}")
     if config.profile_path is not None:
         load_profile(config.profile_path)  # ProfileError names the file
+    resolve_draft_vocabulary(
+        config.draft_vocab,
+        cfg.speculative_draft_model_path,
+        vocab_size,
+        config.topk,
+        lattice_drafter=drafter.selector is not None,
+    )
 
     cfg.speculative_num_steps = 1
     cfg.speculative_eagle_topk = 1

@@ -32,6 +32,7 @@ from bastion_sglang.integration.config import BastionConfig, config_of
 from bastion_sglang.integration.sglang_adapter import (
     DFlashWorkerV2,
     GenerationBatchResult,
+    dflash2_selector,
     get_exec,
     get_observability,
     get_parallel,
@@ -41,13 +42,13 @@ from bastion_sglang.integration.sglang_adapter import (
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.step.accept import RowLogits, is_greedy
 from bastion_sglang.step.commit import DraftContextWriter, TreeCommit
-from bastion_sglang.step.drafter_forward import DrafterForward
+from bastion_sglang.step.drafter_forward import DrafterForward, draft_head
 from bastion_sglang.step.graph_buckets import planning_widths, real_rows
 from bastion_sglang.step.metrics import BastionMetrics, scheduler_metric_labels
 from bastion_sglang.step.plan_stage import plan_step
 from bastion_sglang.step.planning_setup import worker_step_controller
 from bastion_sglang.step.prefill import Prefill
-from bastion_sglang.step.rank_sync import DraftHead, RankSync, scheduler_group
+from bastion_sglang.step.rank_sync import RankSync, scheduler_group
 from bastion_sglang.step.request_outputs import attach_step_outputs, capture_final_hidden_states
 from bastion_sglang.step.spec_input import step_result
 from bastion_sglang.step.step_controller import StepController, StepPlan, StepRecord, StepStart
@@ -93,7 +94,14 @@ class BastionWorker(DFlashWorkerV2):
             self,
             block_size,
             int(get_schedule().max_running_requests),
-            DraftHead.of(target_worker.model_runner.model.lm_head, vocab_size, group),
+            draft_head(
+                config,
+                server_args,
+                target_worker.model_runner.model.lm_head,
+                vocab_size,
+                group,
+                lattice_drafter=dflash2_selector(self) is not None,
+            ),
             config.branching,
             seams.rewriter,
             seams.top_k,
@@ -139,6 +147,7 @@ class BastionWorker(DFlashWorkerV2):
             self._metrics,
             self._startup_calibration(),
             self._drafter.drafts_lattices,
+            self._drafter.draft_vocab_size,
         )
         self._commit.price_copies(self._controller.costs, config.verify_width_cap)
 
@@ -160,6 +169,7 @@ class BastionWorker(DFlashWorkerV2):
             planning_widths=(*config.width_buckets, config.verify_width_cap),
             topk=config.topk,
             verify_context=self._target.verify_graph,
+            draft_vocab=config.draft_vocab,
         )
 
     def _maybe_build_draft_sampler(self) -> None:

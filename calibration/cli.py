@@ -363,6 +363,7 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         settings.repeats,
     )
     try:
+        draft_vocab_size = engine.draft_vocab_size
         samples = measure_verify_grid(engine, settings)
         fitted = LatencyModel(RooflineModel(shape, hardware, element_bytes)).fit(samples)
         logger.info("measuring T_draft, L_AR and T_aux at context %d", settings.mid_context)
@@ -388,7 +389,9 @@ def calibrate(plan: CalibrationPlan) -> CalibrationResult:
         attention_backend=plan.attention_backend,
         tp_size=plan.tp_size,
         created_at=now_utc(),
-        settings=plain_settings(dtype_name(plan.dtype)).model_copy(update={"load_format": plan.load_format}),
+        settings=plain_settings(dtype_name(plan.dtype)).model_copy(
+            update={"load_format": plan.load_format, "draft_vocab_size": draft_vocab_size}
+        ),
         draft_model_path=plan.draft_model_path if plan.acceptance is not None else None,
         drafter_weights_hash=weights_hash(plan.draft_model_path) if plan.acceptance is not None else None,
     )

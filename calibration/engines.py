@@ -85,6 +85,11 @@ class ReferenceMeasurement:
         """1: the reference engine's slot cache holds one request."""
         return 1
 
+    @property
+    def draft_vocab_size(self) -> None:
+        """None: the reference drafter scores the whole vocabulary."""
+        return None
+
     def vocab_size(self) -> int:
         return self._vocab
 

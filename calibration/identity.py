@@ -17,7 +17,8 @@ Latency part (`RuntimeIdentity.mismatches`; every field must match):
 - engine (sglang or reference), when the runtime names one;
 - SGLang version, for profiles of the sglang engine (`ProfileMetadata.sglang_version`);
 - serving settings (`ServingSettings`): --quantization, the KV cache dtype (SGLang's auto resolved to the
-  model dtype), --page-size, CUDA graphs on or off, and the marks: a profile measured on dummy weights
+  model dtype), --page-size, CUDA graphs on or off, the draft vocabulary's size (`--bastion-draft-vocab`:
+  the drafter pass's cost, T_draft, depends on it), and the marks: a profile measured on dummy weights
   (`--load-format dummy`) or under synthetic acceptance is matched only by a runtime with the same mark
   (a bench), never by a serving one. Other load formats read the same weights and are not told apart.
 
@@ -210,11 +211,16 @@ def plain_settings(dtype: str) -> ServingSettings:
 
 
 def serving_settings(
-    server_args: Any, dtype: torch.dtype, device: torch.device, synthetic_acceptance: bool
+    server_args: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    synthetic_acceptance: bool,
+    draft_vocab_size: int | None = None,
 ) -> ServingSettings:
     """The `ServingSettings` of a server from its SGLang ServerArgs (read by attribute): --quantization,
     --kv-cache-dtype (auto: `dtype`), --page-size, CUDA graphs (a CUDA device without
-    --disable-cuda-graph), --load-format; synthetic_acceptance: whether its drafts are rewritten."""
+    --disable-cuda-graph), --load-format; synthetic_acceptance: whether its drafts are rewritten;
+    draft_vocab_size: the tokens its draft step scores (None: the whole vocabulary)."""
     kv = str(getattr(server_args, "kv_cache_dtype", None) or "auto")
     load_format = getattr(server_args, "load_format", None) or "auto"
     return ServingSettings(
@@ -225,6 +231,7 @@ def serving_settings(
         and not getattr(server_args, "disable_cuda_graph", False),
         load_format=str(load_format),
         synthetic_acceptance=synthetic_acceptance,
+        draft_vocab_size=draft_vocab_size,
     )
 
 
@@ -345,6 +352,7 @@ class RuntimeIdentity(BaseModel):
             ("kv cache dtype", recorded.kv_cache_dtype, ours.kv_cache_dtype),
             ("page size", recorded.page_size, ours.page_size),
             ("cuda graphs", _on_off(recorded.cuda_graphs), _on_off(ours.cuda_graphs)),
+            ("draft vocabulary", _vocabulary(recorded.draft_vocab_size), _vocabulary(ours.draft_vocab_size)),
         ):
             if theirs_value != ours_value:
                 found.append((field, str(theirs_value), str(ours_value)))
@@ -373,11 +381,16 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def _vocabulary(size: int | None) -> str:
+    return "whole" if size is None else f"{size} tokens"
+
+
 def _describe_settings(settings: ServingSettings) -> str:
     return (
         f"quantization {settings.quantization or 'none'}, kv cache {settings.kv_cache_dtype}, page size "
         f"{settings.page_size}, cuda graphs {_on_off(settings.cuda_graphs)}, load format "
-        f"{settings.load_format}" + "".join(f", {mark}" for mark in settings.marks)
+        f"{settings.load_format}, draft vocabulary {_vocabulary(settings.draft_vocab_size)}"
+        + "".join(f", {mark}" for mark in settings.marks)
     )
 
 

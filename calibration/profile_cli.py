@@ -264,6 +264,11 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--synthetic-acceptance", action="store_true", help="the server rewrites its drafts (a bench)"
     )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        help="tokens the server's draft step scores (its --bastion-draft-vocab file's ids; default: all)",
+    )
     parser.add_argument("--sglang-version", help="default: the installed SGLang's (engine sglang)")
     parser.add_argument("--store", help="the profile store folder (default: see `bastion calibrate -h`)")
 
@@ -297,6 +302,7 @@ def _auto_identity(args: argparse.Namespace) -> RuntimeIdentity:
         cuda_graphs=args.cuda_graphs,
         load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
+        draft_vocab_size=args.draft_vocab_size,
     )
     sglang = args.sglang_version or (installed_version("sglang") if args.engine != "reference" else None)
     return RuntimeIdentity.for_runtime(

@@ -35,6 +35,7 @@ from torch import nn
 from bastion_sglang.calibration.random_inputs import CONTEXT_SEED
 from bastion_sglang.controller.acceptance import AcceptanceRecord, DrafterPass
 from bastion_sglang.controller.lattice_acceptance import LatticeRecord
+from bastion_sglang.integration.draft_vocab import DraftVocabChoice, resolve_draft_vocabulary
 from bastion_sglang.kernels.types import DraftTopK, TreeBatch, VerifyLayout
 
 if TYPE_CHECKING:
@@ -62,12 +63,16 @@ class SglangMeasurement:
         max_width: int,
         owns_runtime: bool,
         verify_context: Callable[[int, int], AbstractContextManager[None]] | None = None,
+        draft_vocab: DraftVocabChoice = "auto",
     ) -> None:
         """Measure on `runner`, a target ModelRunner of a BASTION deployment whose KV pools hold nothing else
         while the measurement runs (`open` builds one; a starting server passes its own). owns_runtime:
         whether `close` tears SGLang's process groups down (True) or only empties the KV pools (False).
         verify_context: given a verify width and batch size, the context its pass runs in (a serving worker's
-        captured graph of that width, `TargetForward.verify_graph`); None: every pass eagerly."""
+        captured graph of that width, `TargetForward.verify_graph`); None: every pass eagerly. draft_vocab:
+        the tokens the drafter's head scores, as the server's `--bastion-draft-vocab`
+        (`integration.draft_vocab`; auto: the drafter folder's file), so T_draft and the acceptance records
+        are the served draft's."""
         self._runner = runner
         self._device = torch.device(device)
         self._max_width = max_width
@@ -81,11 +86,21 @@ class SglangMeasurement:
         self._prefix_cpu = torch.zeros(1, dtype=torch.int64)  # [B] host copy
         self._committed = torch.zeros(1, dtype=torch.int64, device=self._device)  # [context + 1] tokens
         self._no_features = torch.empty(0)  # [0, F·h] drafter features: nothing new to ingest
-        self._proposer = _drafter_on_target(draft_path, runner, self._vocab, self._device, dtype)
+        self._proposer = _drafter_on_target(draft_path, runner, self._vocab, self._device, dtype, draft_vocab)
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """The tokens the timed draft scores: its draft vocabulary's size, None for the whole vocabulary."""
+        from bastion_sglang.step.rank_sync import DraftHead
+
+        head = self._proposer.lm_head
+        if not isinstance(head, DraftHead) or head.token_ids is None:
+            return None
+        return int(head.token_ids.shape[0])
 
     @property
     def max_batch(self) -> int:
@@ -371,10 +386,17 @@ def _prompt_batch(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> Sche
 
 
 def _drafter_on_target(
-    draft_path: str | Path, runner: ModelRunner, vocab: int, device: torch.device, dtype: torch.dtype
+    draft_path: str | Path,
+    runner: ModelRunner,
+    vocab: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    draft_vocab: DraftVocabChoice,
 ) -> DFlashProposer | DFlash2Proposer:
     """The reference DFlash drafter for T_draft (module docstring) on the SGLang target's embedding and
-    LM head weights (no copy): a DFlash2Proposer for a DFlash2 drafter, else a DFlashProposer.
+    LM head weights (no copy): a DFlash2Proposer for a DFlash2 drafter, else a DFlashProposer. draft_vocab:
+    the server's `--bastion-draft-vocab`; a draft vocabulary is scored by the draft step's head
+    (`rank_sync.DraftHead`, its rows copied).
 
     Under --tp-size N the target's embedding and LM head are vocabulary shards: the embedding all-reduces
     (a collective, which every rank runs with the same drafter passes) and the head is the draft step's own
@@ -389,11 +411,14 @@ def _drafter_on_target(
     layers = int(runner.model_config.hf_config.num_hidden_layers)
     drafter = DFlashDrafter.from_pretrained(draft_path, device=device, dtype=dtype, target_num_layers=layers)
     group = scheduler_group()
-    if group is not None:
-        if drafter.candidate_selector is not None:
-            raise ValueError(f"{draft_path}: a DFlash2 drafter is served and calibrated at --tp-size 1 only")
+    lattice = drafter.candidate_selector is not None
+    vocabulary, _ = resolve_draft_vocabulary(draft_vocab, draft_path, vocab, topk=1, lattice_drafter=lattice)
+    token_ids = None if vocabulary is None else vocabulary.token_ids
+    if group is not None and lattice:
+        raise ValueError(f"{draft_path}: a DFlash2 drafter is served and calibrated at --tp-size 1 only")
+    if group is not None or token_ids is not None:
         return DFlashProposer(
-            drafter, model.get_input_embeddings(), DraftHead.of(model.lm_head, vocab, group)
+            drafter, model.get_input_embeddings(), DraftHead.of(model.lm_head, vocab, group, token_ids)
         )
     head_weight = model.lm_head.weight[:vocab]
     head = nn.Linear(head_weight.shape[1], vocab, bias=False, device="meta")

@@ -74,6 +74,7 @@ from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.profile import CalibrationProfile, ProfileError, ProfileMetadata, save_profile
 from bastion_sglang.controller.roofline import ModelShape, RooflineModel
 from bastion_sglang.integration.config import StartupMode
+from bastion_sglang.integration.draft_vocab import DraftVocabChoice
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -178,7 +179,8 @@ class StartupCalibration:
     the drafter's folder. tokenizer_path: the target tokenizer's folder (chat template of the prompts).
     planning_widths: the server's width buckets and its cap (tokens per request, root included). topk: K.
     verify_context: the context a verify pass of a given width and batch size runs in, the server's captured
-    graph of that width on CUDA (`TargetForward.verify_graph`); None: eagerly.
+    graph of that width on CUDA (`TargetForward.verify_graph`); None: eagerly. draft_vocab: the server's
+    `--bastion-draft-vocab` (the drafter's head is timed and its acceptance recorded over it).
     """
 
     mode: Literal["quick", "full"]
@@ -190,6 +192,7 @@ class StartupCalibration:
     planning_widths: tuple[int, ...]
     topk: int
     verify_context: Callable[[int, int], AbstractContextManager[None]] | None = None
+    draft_vocab: DraftVocabChoice = "auto"
 
     def settings(self) -> StartupSettings:
         """The grid and prompts for this server: contexts up to what its KV pool and context length hold
@@ -233,6 +236,7 @@ class StartupCalibration:
             max_width=settings.sweep.widths[-1],
             owns_runtime=False,
             verify_context=self.verify_context,
+            draft_vocab=self.draft_vocab,
         )
         try:
             shape = ModelShape.from_hf_config(self.runner.model_config.hf_config.to_dict())

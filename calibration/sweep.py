@@ -132,6 +132,10 @@ class MeasurementEngine(Protocol):
     def max_batch(self) -> int:
         """Most requests `set_context` takes (1: the engine measures batch 1 only)."""
 
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """The tokens the timed draft scores (a draft vocabulary's size), None: the whole vocabulary."""
+
     def set_context(self, context: int, batch: int = 1, width: int | None = None) -> None:
         """Reset the caches to `batch` requests of `context` committed tokens each (target KV), with room for
         a verify pass of `width` tokens each (None: the widest the engine was opened for), and the drafter's

@@ -78,9 +78,10 @@ weights (`--load-format dummy`), or by a server whose drafts were rewritten to a
 
 class ServingSettings(BaseModel):
     """The server settings besides device, model, dtype, attention backend and TP size that a profile was
-    measured under: each changes a verify pass's cost, or (load format, synthetic acceptance) what the
-    profile's numbers stand for. Profiles written before these were recorded have none
-    (`ProfileMetadata.settings` None): `calibration.identity.recorded_settings` says what can be known."""
+    measured under: each changes a verify pass's cost or (draft vocabulary) the drafter pass's, or (load
+    format, synthetic acceptance) what the profile's numbers stand for. Profiles written before these were
+    recorded have none (`ProfileMetadata.settings` None): `calibration.identity.recorded_settings` says what
+    can be known."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
@@ -93,6 +94,12 @@ class ServingSettings(BaseModel):
     load_format: str = Field(min_length=1, description="SGLang's --load-format (dummy: random weights)")
     synthetic_acceptance: bool = Field(
         default=False, description="whether the server's drafts were rewritten to a synthetic acceptance"
+    )
+    draft_vocab_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens the draft step's head scores (a draft vocabulary, --bastion-draft-vocab; it sets "
+        "T_draft), None: the whole vocabulary",
     )
 
     @property

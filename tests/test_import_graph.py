@@ -147,6 +147,7 @@ FLOORS: tuple[Floor, ...] = (
             f"{_P}.integration.config",
             f"{_P}.step.timing",
             f"{_P}.integration.drafter_config",
+            f"{_P}.integration.draft_vocab",
             f"{_P}.step.step_anatomy",
             f"{_P}.step.synthetic_profile",
             f"{_P}.step",

@@ -74,6 +74,7 @@ SETTING_MISMATCHES: dict[str, tuple[dict[str, Any], str]] = {
     "sglang-version": ({"sglang_version": "0.5.22"}, "sglang version '0.5.22' vs '0.5.23'"),
     "dummy-weights": ({"settings": settings(load_format="dummy")}, "marks 'dummy-weights'"),
     "synthetic": ({"settings": settings(synthetic_acceptance=True)}, "marks 'synthetic-acceptance'"),
+    "draft-vocab": ({"settings": settings(draft_vocab_size=8192)}, "draft vocabulary '8192 tokens'"),
 }
 SERVER = IDENTITY.model_copy(update={"engine": "sglang", "sglang_version": "0.5.23"})
 """A serving runtime: real weights, real drafts, the plain settings, SGLang 0.5.23."""

@@ -5,7 +5,8 @@ busy TP rank skews them: rank 1 measures a drafter pass 50x slower and verify pa
 locally, the two ranks choose different verify widths, and only rank 0's best tree pays for its drafter
 pass (the test of the speculation gate's ceiling): drafting and verifying their own plans, they would run
 different collectives. Through `RankSync` both ranks verify rank 0's
-rows. `DraftHead` gathers each rank's vocabulary shard of the LM head into the full draft logits.
+rows. `DraftHead` gathers each rank's vocabulary shard of the LM head into the full draft logits, and a
+draft vocabulary's rows from the shards that hold them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ VERIFY_SKEW = {0: 1.0, 1: 20.0}  # per rank: measured / predicted verify seconds
 VOCAB = 100  # the logits kept; the LM head is padded to VOCAB_PADDED rows, split over the ranks
 VOCAB_PADDED = 128
 HIDDEN = 16
+DRAFT_VOCAB = [99, 3, 64, 70, 0, 63, 41, 88]
+"""A draft vocabulary with ids in both ranks' shards (rank 0 holds 0..63, rank 1 64..99), the edges too."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,16 @@ def _rank_main(rank: int, port: int, out: Path) -> None:
         per_rank = VOCAB_PADDED // WORLD
         lm_head = types.SimpleNamespace(
             weight=weight[rank * per_rank : (rank + 1) * per_rank],
-            shard_indices=types.SimpleNamespace(num_added_elements=0),
+            shard_indices=types.SimpleNamespace(
+                num_added_elements=0,
+                org_vocab_start_index=rank * per_rank,
+                org_vocab_end_index=min((rank + 1) * per_rank, VOCAB),
+            ),
         )
         # the drafter's hidden states over the shared horizon: the all-gather needs the same shape everywhere
         hidden = torch.randn(BATCH, horizon, HIDDEN, generator=torch.Generator().manual_seed(5))
         draft_logits = DraftHead.of(lm_head, VOCAB, group)(hidden)
+        vocabulary_head = DraftHead.of(lm_head, VOCAB, group, DRAFT_VOCAB)
         torch.save(
             {
                 "leads": sync.leads,
@@ -103,6 +111,8 @@ def _rank_main(rank: int, port: int, out: Path) -> None:
                 "local": [local.tokens, local.parents, local.depths],
                 "shared": [shared.tokens, shared.parents, shared.depths],
                 "draft_logits": draft_logits,
+                "vocabulary_logits": vocabulary_head(hidden),
+                "vocabulary_top_ids": vocabulary_head.top_k(hidden, 4).token_ids,
                 "full_logits": hidden @ weight[:VOCAB].T,
             },
             out / f"rank{rank}.pt",
@@ -135,6 +145,11 @@ def test_ranks_with_skewed_step_times_verify_rank_zeros_tree(tmp_path: Path) -> 
     for rank in (first, second):
         assert rank["draft_logits"].shape == (BATCH, 3, VOCAB)
         torch.testing.assert_close(rank["draft_logits"], rank["full_logits"], rtol=1e-5, atol=1e-5)
+        # over a draft vocabulary every rank holds its rows whole: the whole head's logits at its ids
+        masked = torch.full_like(rank["full_logits"], float("-inf"))
+        masked[..., DRAFT_VOCAB] = rank["full_logits"][..., DRAFT_VOCAB]
+        torch.testing.assert_close(rank["vocabulary_logits"], masked, rtol=1e-5, atol=1e-5)
+        assert torch.equal(rank["vocabulary_top_ids"], kernels.topk_logprobs(masked, 4).token_ids)
 
 
 def test_one_rank_passes_everything_through() -> None:

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 from bastion_sglang.controller import AdaptivePolicy, BudgetPolicy
 from bastion_sglang.controller.latency import validate_width_buckets
+from bastion_sglang.integration.draft_vocab import DraftVocabChoice
 
 ALGORITHM = "BASTION"
 """The `--speculative-algorithm` name."""
@@ -88,6 +89,8 @@ class BastionConfig:
         `--disable-overlap-schedule` decides (see the architecture page, "Overlap scheduling").
     startup_calibration: off | quick | full: whether a server with `auto` profile and none stored for its
         runtime measures one before it serves (`calibration.startup`); default `default_startup_calibration`.
+    draft_vocab: the tokens the draft step scores (`integration.draft_vocab`): "auto" (the drafter folder's
+        `draft_vocab.json` when it has one, else every token), "full" (every token) or a file's Path.
     """
 
     max_budget: int = DEFAULT_MAX_BUDGET
@@ -101,6 +104,7 @@ class BastionConfig:
     synthetic_acceptance: Path | None = None
     overlap: bool = False
     startup_calibration: StartupMode = field(default_factory=default_startup_calibration)
+    draft_vocab: DraftVocabChoice = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_budget, bool) or not isinstance(self.max_budget, int) or self.max_budget < 1:
@@ -132,6 +136,10 @@ class BastionConfig:
             raise ValueError(
                 f"startup_calibration must be one of {', '.join(STARTUP_MODES)}, "
                 f"got {self.startup_calibration!r}"
+            )
+        if self.draft_vocab not in ("auto", "full") and not isinstance(self.draft_vocab, Path):
+            raise ValueError(
+                f"draft_vocab must be 'auto', 'full' or a pathlib.Path, got {self.draft_vocab!r}"
             )
         if self.synthetic_acceptance is not None and self.draft_proposer is not None:
             raise ValueError(

@@ -13,6 +13,7 @@ from bastion_sglang.kernels import topk_logprobs
 from bastion_sglang.kernels.types import DraftTopK
 from bastion_sglang.reference.drafter import DFlashDrafter, DraftContextCache
 from bastion_sglang.step.draft_protocols import DraftInput
+from bastion_sglang.step.rank_sync import DraftHead
 
 
 class DraftBlockPass:
@@ -54,7 +55,9 @@ class DFlashProposer:
     """The DFlash DraftSource: one drafter pass over [bonus, MASK × (B - 1)] with the target's embedding and
     head. A DFlash2 drafter (with a selector) is refused: its draft is a lattice (`DFlash2Proposer`)."""
 
-    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head: nn.Module | DraftHead
+    ) -> None:
         if drafter.candidate_selector is not None:
             raise ValueError(
                 "DFlashProposer drafts with a plain DFlash drafter; this one has a DFlash2 candidate "
@@ -86,5 +89,7 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, draft_input: DraftInput, k: int) -> DraftTopK:
         states = self._pass.states(draft_input)
+        if isinstance(self.lm_head, DraftHead):  # the draft step's own head, a draft vocabulary's top-K
+            return self.lm_head.top_k(states[None, 1:], k)
         logits = self.lm_head(states[1:].to(self.lm_head.weight.dtype))  # [D, V]
         return topk_logprobs(logits[None], k)

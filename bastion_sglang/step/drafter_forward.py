@@ -7,7 +7,10 @@ drafted (h: the draft horizon, `controller.horizon`).
 - DFlash: the target's LM head turns their hidden states into logits [B, h, V] (under TP the head is sharded
   by vocabulary, `rank_sync.DraftHead`); a configured `DraftLogitsRewriter` may rewrite them; the
   `DraftTopKReader` keeps K candidates per position (`DraftTopK`): `kernels.topk_logprobs`, or under synthetic
-  acceptance the profile's stated probabilities at the drafter's own top ids.
+  acceptance the profile's stated probabilities at the drafter's own top ids. With a draft vocabulary
+  (`integration.draft_vocab`) the head scores its Vd tokens only: without a rewriter or a synthetic reader
+  the top-K is taken over those Vd logits (`DraftHead.top_k`), otherwise over [B, h, V] logits that are
+  -inf outside it.
 - DFlash2: the target's LM head turns the hidden states into logits [B, h, V] once; SGLang's own selector
   path on them (`sglang_adapter.lattice_of_head_logits`: `compute_candidates` after its matmul, SGLang's
   top-K of the raw logits and the drafter's transform of their values, then
@@ -22,22 +25,57 @@ Nothing is read back to the host here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bastion_sglang import kernels
 from bastion_sglang.controller.lattice_tree import selector_logprobs
 from bastion_sglang.integration import sglang_adapter as sgl
+from bastion_sglang.integration.config import BastionConfig
+from bastion_sglang.integration.draft_vocab import resolve_draft_vocabulary
 from bastion_sglang.integration.sglang_adapter import DFlashWorkerV2, draft_tp_context
 from bastion_sglang.kernels.types import DraftLattice, DraftTopK
 from bastion_sglang.step.draft_protocols import DraftLogitsRewriter, DraftTopKReader
-from bastion_sglang.step.rank_sync import DraftHead
+from bastion_sglang.step.rank_sync import DraftHead, RankGroup
 from bastion_sglang.step.spec_input import prepare_draft_forward
 
 if TYPE_CHECKING:
     from bastion_sglang.step.target_forward import DecodeInputs
+
+logger = logging.getLogger(__name__)
+
+
+def draft_head(
+    config: BastionConfig,
+    server_args: Any,
+    lm_head: torch.nn.Module,
+    vocab_size: int,
+    group: RankGroup | None,
+    lattice_drafter: bool,
+) -> DraftHead:
+    """The draft step's head over the target's `lm_head` (V = `vocab_size`; group: the TP group, None with
+    one rank): over the draft vocabulary `--bastion-draft-vocab` resolves to for the drafter of
+    `server_args` (lattice_drafter: whether it is a DFlash2 drafter), else the whole vocabulary. Logs
+    which."""
+    vocabulary, path = resolve_draft_vocabulary(
+        config.draft_vocab, server_args.speculative_draft_model_path, vocab_size, config.topk, lattice_drafter
+    )
+    if vocabulary is None:
+        logger.info("BASTION: the draft step scores the whole vocabulary (%d tokens)", vocab_size)
+        return DraftHead.of(lm_head, vocab_size, group)
+    logger.info(
+        "BASTION: the draft step scores the draft vocabulary of %s: %d of %d tokens (%.1f %% of the %d "
+        "tokens it counted)",
+        path,
+        len(vocabulary.token_ids),
+        vocab_size,
+        100.0 * vocabulary.coverage,
+        vocabulary.counted_tokens,
+    )
+    return DraftHead.of(lm_head, vocab_size, group, vocabulary.token_ids)
 
 
 class DrafterForward:
@@ -84,6 +122,12 @@ class DrafterForward:
             sgl.attach_selector_head(worker, worker.model_runner.model.lm_head)
 
     @property
+    def draft_vocab_size(self) -> int | None:
+        """The tokens the draft head scores: its draft vocabulary's size, None for the whole vocabulary."""
+        ids = self._draft_head.token_ids
+        return None if ids is None else int(ids.shape[0])
+
+    @property
     def drafts_lattices(self) -> bool:
         """Whether the drafter is a DFlash2 drafter (its drafts are `DraftLattice`s)."""
         return self._selector is not None
@@ -97,6 +141,8 @@ class DrafterForward:
         with torch.inference_mode(), draft_tp_context(self._worker.draft_parallel_layout):
             if self._selector is not None:
                 return self._lattice(hidden, inputs.roots)
+            if self._rewriter is None and self._top_k is kernels.topk_logprobs:
+                return self._draft_head.top_k(hidden, self._branching)
             logits = self._draft_head(hidden)
         if self._rewriter is not None:
             logits = self._rewriter(inputs.batch.reqs, logits, contexts)

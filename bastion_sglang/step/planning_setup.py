@@ -107,9 +107,11 @@ def resolve_worker_profile(
     dtype: torch.dtype,
     device: torch.device,
     startup: StartupCalibration | None = None,
+    draft_vocab_size: int | None = None,
 ) -> ResolvedProfile:
     """The calibration profile of this runtime (`--bastion-profile`: a path, or `auto` from the store, or
     measured now by `startup` where `needs_startup_calibration` says so); its warnings are logged here, once.
+    draft_vocab_size: the tokens the draft step scores (None: the whole vocabulary), a serving setting.
     """
     identity = RuntimeIdentity.for_runtime(
         device=device,
@@ -119,7 +121,9 @@ def resolve_worker_profile(
         tp_size=int(server_args.tp_size),
         engine="sglang",
         draft_model_path=server_args.speculative_draft_model_path,
-        settings=serving_settings(server_args, dtype, device, config.synthetic_acceptance is not None),
+        settings=serving_settings(
+            server_args, dtype, device, config.synthetic_acceptance is not None, draft_vocab_size
+        ),
         sglang_version=installed_version("sglang"),
     )
     spec = "auto" if config.profile_path is None else config.profile_path
@@ -188,6 +192,7 @@ def worker_step_controller(
     metrics: BastionMetrics | None,
     startup: StartupCalibration | None = None,
     lattice_drafts: bool = False,
+    draft_vocab_size: int | None = None,
 ) -> StepController:
     """The worker's step controller: the latency model and acceptance calibration of its profile, a step-cost
     tracker seeded with the profile's costs (T_draft rescaled per request, `draft_seconds_per_request`), the
@@ -195,11 +200,12 @@ def worker_step_controller(
     DDTree's). block_size: the drafter's block γ; width_buckets: `graph_buckets.planning_widths`; startup: how
     this server calibrates itself when it has no profile (None: it does not); lattice_drafts: whether the
     drafter is a DFlash2 drafter, whose lattices are planned on the profile's acceptance calibration as
-    top-K drafts are (`planning_acceptance`, `lattice_plan`). Under synthetic acceptance no stored map
-    applies: maps are fitted on the real drafter's passes, and the synthetic drafter states other
+    top-K drafts are (`planning_acceptance`, `lattice_plan`); draft_vocab_size: the tokens the draft step
+    scores (None: the whole vocabulary), part of the profile's identity. Under synthetic acceptance no
+    stored map applies: maps are fitted on the real drafter's passes, and the synthetic drafter states other
     probabilities; it plans on the map fitted on the seam's own passes (`synthetic_planning_acceptance`),
     corrected online (`controller.depth_acceptance`)."""
-    resolved = resolve_worker_profile(config, server_args, dtype, device, startup)
+    resolved = resolve_worker_profile(config, server_args, dtype, device, startup, draft_vocab_size)
     if config.synthetic_acceptance is not None:
         logger.info(
             "BASTION: synthetic acceptance: no stored acceptance map applies to the synthetic drafter's "

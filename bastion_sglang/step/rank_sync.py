@@ -13,7 +13,8 @@ Per decode step, with B requests, verify width W (root + W - 1 draft nodes per r
 1. before drafting, rank 0 → all, cpu group: the draft horizon h (positions the LM head scores,
    `controller.horizon`; 0: skip the drafter), int64 [1] (8 bytes);
 2. drafting, all ↔ all, device group: the draft logits, each rank's vocabulary shard [B, h, V_pad / N]
-   all-gathered to [B, h, V_pad] (B·h·V_pad elements of the model dtype on every rank);
+   all-gathered to [B, h, V_pad] (B·h·V_pad elements of the model dtype on every rank); nothing with a
+   draft vocabulary, whose head rows every rank holds whole (gathered once, at start-up);
 3. after planning a drafted step, rank 0 → all, cpu group: W, int64 [1] (8 bytes; 1 = plain decoding);
 4. when W > 1, rank 0 → all, device group: the verify rows, int64 [3, B, W] (tokens, parents, depths:
    24·B·W bytes).
@@ -32,7 +33,8 @@ from typing import Any, Protocol
 
 import torch
 
-from bastion_sglang.kernels.types import TreeBatch
+from bastion_sglang import kernels
+from bastion_sglang.kernels.types import DraftTopK, TreeBatch
 
 LEADER = 0
 """The rank (in the group) that plans and whose decisions the others take."""
@@ -118,42 +120,85 @@ def _roots(rows: TreeBatch) -> TreeBatch:
 class DraftHead:
     """The target's LM head as the draft step applies it: hidden states to logits over the vocabulary.
 
-    weight: this rank's rows of the LM head, [V_local, H]: with one rank the first V rows of the weight;
-    under TP the rank's vocabulary shard (SGLang's `VocabParallelEmbedding`: V_pad / N rows, padding last
-    on the last ranks), gathered over `group` after the matmul. vocab_size: V, the logits kept.
+    weight: the rows the draft step multiplies, [V_local, H]. With the whole vocabulary and one rank the
+    first V rows of the head; under TP the rank's vocabulary shard (SGLang's `VocabParallelEmbedding`:
+    V_pad / N rows, padding last on the last ranks), gathered over `group` after the matmul. With a draft
+    vocabulary (`integration.draft_vocab`) the rows of its ids, [Vd, H], whole on every rank (gathered
+    once, when the head is made), and `token_ids` [Vd] int64 those ids. vocab_size: V, the logits kept.
     """
 
-    weight: torch.Tensor  # [V_local, H]
+    weight: torch.Tensor  # [V_local, H], or [Vd, H] with a draft vocabulary
     vocab_size: int
     group: RankGroup | None
+    token_ids: torch.Tensor | None = None  # [Vd] int64, None: the whole vocabulary
 
     @classmethod
-    def of(cls, lm_head: torch.nn.Module, vocab_size: int, group: RankGroup | None) -> DraftHead:
-        """The head over the target's `lm_head` module; group: its TP group (None with one rank).
+    def of(
+        cls,
+        lm_head: torch.nn.Module,
+        vocab_size: int,
+        group: RankGroup | None,
+        token_ids: list[int] | None = None,
+    ) -> DraftHead:
+        """The head over the target's `lm_head` module; group: its TP group (None with one rank); token_ids:
+        the draft vocabulary's ids (None: the whole vocabulary).
 
         Raises ValueError for a sharded head whose shards hold added vocabulary (LoRA extra tokens): their
         rows do not follow the base vocabulary in rank order, so the concatenated shards are not ids 0..V-1.
         """
         weight = lm_head.weight
-        if group is None:
-            return cls(weight[:vocab_size], vocab_size, None)
-        shard = lm_head.shard_indices
-        if int(shard.num_added_elements) != 0:
+        added = 0 if group is None else int(lm_head.shard_indices.num_added_elements)
+        if added != 0:
             raise ValueError(
-                f"the target's LM head holds {shard.num_added_elements} added-vocabulary rows per TP shard; "
-                "BASTION's draft head under --tp-size > 1 supports the base vocabulary only"
+                f"the target's LM head holds {added} added-vocabulary rows per TP shard; BASTION's draft "
+                "head under --tp-size > 1 supports the base vocabulary only"
             )
-        return cls(weight, vocab_size, group)
+        if token_ids is None:
+            return cls(weight if group is not None else weight[:vocab_size], vocab_size, group)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=weight.device)
+        if group is None:
+            return cls(weight.index_select(0, ids), vocab_size, None, ids)
+        return cls(_gathered_rows(weight, lm_head.shard_indices, ids, group), vocab_size, None, ids)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] drafter hidden states, any strides. Returns [..., V] logits in the weight's dtype.
+        """hidden: [..., H] drafter hidden states, any strides. Returns [..., V] logits in the weight's dtype;
+        with a draft vocabulary -inf outside it.
 
         The product runs on one contiguous [N, H] matrix. The drafter's positions 1..h are a strided view of
         its [B, γ, H] output, and torch.matmul of such a [B, h, H] view does not fold into one GEMM: on the
         2-core CPU at B = 8, h = 15 (fp32, the demo pair's head) it took 71 ms where the folded GEMM takes 40.
         """
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
-        logits = torch.matmul(rows, self.weight.T).view(*hidden.shape[:-1], -1)
+        logits = self._product(hidden)
+        if self.token_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            return full.index_copy_(-1, self.token_ids, logits)
         if self.group is None:
             return logits
         return self.group.all_gather(logits.contiguous(), dim=-1)[..., : self.vocab_size]
+
+    def top_k(self, hidden: torch.Tensor, k: int) -> DraftTopK:
+        """`kernels.topk_logprobs` of this head's logits of hidden [B, h, H]: DraftTopK [B, h, k]. With a
+        draft vocabulary the log-softmax and top-k run over its Vd logits alone (the same values as over
+        `__call__`'s [B, h, V], whose other logits are -inf) and the ids are mapped to the target's."""
+        if self.token_ids is None:
+            return kernels.topk_logprobs(self(hidden), k)
+        top = kernels.topk_logprobs(self._product(hidden), k)
+        return DraftTopK(logprobs=top.logprobs, token_ids=self.token_ids[top.token_ids])
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] times this rank's rows: [..., V_local] (or [..., Vd])."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
+        return torch.matmul(rows, self.weight.T).view(*hidden.shape[:-1], -1)
+
+
+def _gathered_rows(weight: torch.Tensor, shard: Any, ids: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """The head's rows of `ids` [Vd] on every rank, [Vd, H]: each rank fills the rows its vocabulary shard
+    holds (base vocabulary ids org_vocab_start_index..org_vocab_end_index - 1, stored from local row 0) and
+    zeros the others; the ranks' matrices are all-gathered over `group` and summed, each row coming from the
+    one rank that holds it."""
+    start, end = int(shard.org_vocab_start_index), int(shard.org_vocab_end_index)
+    held = (ids >= start) & (ids < end)
+    rows = torch.zeros((ids.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    rows[held] = weight.index_select(0, ids[held] - start)
+    gathered = group.all_gather(rows.unsqueeze(0).contiguous(), dim=0)  # [N, Vd, H]
+    return gathered.sum(dim=0)
