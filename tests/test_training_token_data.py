@@ -17,6 +17,7 @@ from tiny_models import MASK_ID, make_tiny_target
 
 from bastion_sglang.assets.prompt_sets import chat_prompt_ids, load_prompts
 from bastion_sglang.cli import main
+from bastion_sglang.integration.draft_vocab import DraftVocabulary, write_draft_vocabulary
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config
@@ -456,3 +457,62 @@ def test_compare_drafters_measures_every_drafter_on_the_same_sequences_none_of_t
         main([*argv[:-6], "--sequences", str(len(expected) + 1)])
     with pytest.raises(SystemExit, match=r"state\.json: no training state; --unseen-by takes a run folder"):
         main([*argv[:-10], "--unseen-by", str(tmp_path), *argv[-8:]])
+
+
+def test_chain_acceptance_over_a_draft_vocabulary_drafts_only_its_tokens(
+    target: Path, token_dir: Path, tmp_path: Path
+) -> None:
+    """Over every id (permuted) the chain is the whole vocabulary's; over a vocabulary without any token the
+    blocks continue with, nothing is accepted; compare-drafters --draft-vocab reports both rows."""
+    config = build_drafter_config(
+        json.loads((target / "config.json").read_text()),
+        layers=1,
+        block_size=8,
+        layer_ids=list(LAYER_IDS),
+        mask_token_id=MASK_ID,
+    )
+    torch.manual_seed(0)
+    path = DFlashDrafter(config).save_pretrained(tmp_path / "drafter")
+    drafter = DFlashDrafter.from_pretrained(path).eval()
+    sequences = load_token_training(token_dir, 2).train[:6]
+    measured = TargetFeatures(target, LAYER_IDS, torch.device("cpu")).fill(sequences)
+    frozen = load_frozen_target(target, torch.device("cpu"))
+    vocab = int(frozen.lm_head.shape[0])
+    whole = chain_acceptance(drafter, frozen, measured, stride=2, precision="fp32")
+    every = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    assert chain_acceptance(drafter, frozen, measured, stride=2, precision="fp32", draft_vocab=every) == whole
+    answered = {int(t) for s in sequences for t in s.tokens[s.prompt_length :]}
+    elsewhere = torch.tensor([t for t in range(vocab) if t not in answered])
+    none = chain_acceptance(drafter, frozen, measured, stride=2, precision="fp32", draft_vocab=elsewhere)
+    assert whole.mean > 1.0 and none.mean == 1.0 and none.blocks == whole.blocks
+
+    vocab_file = tmp_path / "draft_vocab.json"
+    write_draft_vocabulary(
+        vocab_file,
+        DraftVocabulary(
+            target_vocab_size=vocab,
+            source="test",
+            counted_tokens=1,
+            coverage=1.0,
+            token_ids=elsewhere.tolist(),
+        ),
+    )
+    argv = [
+        "compare-drafters",
+        "--target",
+        str(target),
+        "--token-data",
+        str(token_dir),
+        "--drafter",
+        str(path),
+    ]
+    out = tmp_path / "comparison.json"
+    assert (
+        main(
+            [*argv, "--sequences", "4", "--stride", "2", "--draft-vocab", str(vocab_file), "--out", str(out)]
+        )
+        == 0
+    )
+    rows = DrafterComparison.model_validate_json(out.read_text()).scores
+    assert [row.draft_vocab for row in rows] == [None, str(vocab_file)]
+    assert rows[0].acceptance.mean >= rows[1].acceptance.mean == 1.0

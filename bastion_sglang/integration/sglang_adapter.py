@@ -606,11 +606,15 @@ TORCH_NATIVE_FORWARD_EXTEND = Internal(
 ASSIGN_REQ_TO_TOKEN_POOL = Internal("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool_func")
 COPY_ALL_LAYER_KV_CACHE = Internal("sglang.kernels.ops.kvcache.cache_move", "copy_all_layer_kv_cache_func")
 EXTEND_FORWARD_KWARGS = Internal(_RUNNER, "ModelRunner", "_extend_forward_kwargs")
+LOGITS_OF_PASS = Internal("sglang.srt.layers.logits_processor", "LogitsProcessor", "_get_logits")
+LM_HEAD_PRODUCT = Internal("sglang.srt.layers.logits_processor", "LogitsProcessor", "_compute_lm_head")
 CPU_HOOKS: tuple[Internal, ...] = (
     TORCH_NATIVE_FORWARD_EXTEND,
     ASSIGN_REQ_TO_TOKEN_POOL,
     COPY_ALL_LAYER_KV_CACHE,
     EXTEND_FORWARD_KWARGS,
+    LOGITS_OF_PASS,
+    LM_HEAD_PRODUCT,
 )
 """Targets of the CPU stand-ins (`cpu_support.install_bastion_stand_ins`)."""
 
@@ -1044,6 +1048,24 @@ def target_forward(target_worker: TpModelWorker, forward_batch: ForwardBatch) ->
     """The target's forward of a ForwardBatch prepared (attention planned) for a verify or decode pass:
     logits of every row and, as the batch's capture mode asks, hidden states."""
     return target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+
+
+def plain_lm_head_product(processor: Any, lm_head: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether SGLang's `LogitsProcessor._compute_lm_head` computes `processor`'s logits of `hidden_states` as
+    the plain product hidden @ lm_head.weight.T on the CPU: no LoRA wrapper, no quantized head, no fp32 head,
+    no AMX-packed weight, no RL on-policy cast (its last branch)."""
+    from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+    from sglang.srt.utils.common import use_intel_amx_backend
+
+    return (
+        hidden_states.device.type == "cpu"
+        and hasattr(lm_head, "weight")
+        and not (hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"))
+        and not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
+        and not processor.use_fp32_lm_head
+        and not use_intel_amx_backend(lm_head)
+        and processor.rl_on_policy_target is None
+    )
 
 
 def hook_applied(target: Internal) -> bool:

@@ -13,8 +13,9 @@ takes the sequences of a token-data folder (`training.token_data`, in chunk orde
   apart, as the run had them.
 
 Of what is left it measures the first `--sequences` with every drafter (`train.chain_acceptance`, fp32,
-the same blocks for each) and prints one row a drafter; `--out` writes the comparison as JSON
-(`DrafterComparison`).
+the same blocks for each) and prints one row a drafter (with `--draft-vocab FILE`, two: over the whole
+vocabulary and over the draft vocabulary's tokens, as the draft step serves it); `--out` writes the
+comparison as JSON (`DrafterComparison`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.assets.prompt_sets import load_prompts
+from bastion_sglang.integration.draft_vocab import read_draft_vocabulary
 from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.data import TrainingSequence
@@ -54,6 +56,7 @@ class DrafterScore(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     drafter: str = Field(description="the drafter folder, as given")
+    draft_vocab: str | None = Field(default=None, description="the draft vocabulary file; None: every token")
     acceptance: AcceptanceReport
 
 
@@ -102,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sequences", type=int, default=48, help="sequences to measure (default 48)")
     parser.add_argument("--stride", type=int, default=4, help="anchor stride of the measure (default 4)")
+    parser.add_argument(
+        "--draft-vocab",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a draft_vocab.json: measure every drafter over the whole vocabulary and over its tokens",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="write the comparison here (JSON)")
 
@@ -159,15 +169,32 @@ def run(args: argparse.Namespace) -> int:
             "one feature set"
         )
     device = torch.device(args.device)
+    vocabularies: list[tuple[str | None, torch.Tensor | None]] = [(None, None)]
+    if args.draft_vocab is not None:
+        try:
+            vocabulary = read_draft_vocabulary(args.draft_vocab)
+        except ValueError as error:
+            raise SystemExit(f"error: --draft-vocab: {error}") from None
+        if vocabulary.target_vocab_size != int(target_config["vocab_size"]):
+            raise SystemExit(
+                f"error: --draft-vocab {args.draft_vocab}: counted for a vocabulary of "
+                f"{vocabulary.target_vocab_size} tokens, the target's has {target_config['vocab_size']}"
+            )
+        ids = torch.tensor(vocabulary.token_ids, dtype=torch.int64, device=device)
+        vocabularies.append((str(args.draft_vocab), ids))
     features = TargetFeatures(args.target, next(iter(layer_ids)), device).fill(sequences)
     frozen = load_frozen_target(args.target, device)
     scores = []
     for path in args.drafter:
         drafter = DFlashDrafter.from_pretrained(path, device=device).eval()
-        report = chain_acceptance(drafter, frozen, features, stride=args.stride, precision="fp32")
-        scores.append(DrafterScore(drafter=str(path), acceptance=report))
-        by_set = ", ".join(f"{name} {mean:.3f}" for name, mean in sorted(report.by_source.items()))
-        print(f"{report.mean:.3f} over {report.blocks} blocks ({by_set})  {path}")
+        for name, ids in vocabularies:
+            report = chain_acceptance(
+                drafter, frozen, features, stride=args.stride, precision="fp32", draft_vocab=ids
+            )
+            scores.append(DrafterScore(drafter=str(path), draft_vocab=name, acceptance=report))
+            by_set = ", ".join(f"{set_} {mean:.3f}" for set_, mean in sorted(report.by_source.items()))
+            over = "" if name is None else f", over {name}"
+            print(f"{report.mean:.3f} over {report.blocks} blocks ({by_set})  {path}{over}")
     comparison = DrafterComparison(
         token_data=str(args.token_data),
         sequence_keys=[s.key for s in sequences],

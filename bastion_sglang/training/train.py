@@ -757,6 +757,7 @@ def chain_acceptance(
     stride: int = 4,
     batch_sequences: int = 4,
     precision: Literal["bf16-mixed", "fp32"] = "bf16-mixed",
+    draft_vocab: torch.Tensor | None = None,
 ) -> AcceptanceReport:
     """Mean accepted length of a chain draft, measured against the target's greedy continuation.
 
@@ -764,6 +765,8 @@ def chain_acceptance(
     context 0..a-1 and the block [t_a, MASK...]; the accepted length is 1 + the number of leading block
     positions k = 1, 2, ... whose argmax equals t_{a+k} (what greedy verification of that chain accepts;
     the 1 is the target's bonus token). `by_source` groups the blocks by the sequences' prompt sets.
+    draft_vocab: [Vd] int64 token ids the argmax is taken over (a draft vocabulary, as the draft step
+    serves it); None: the whole vocabulary.
     """
     block = drafter.config.block_size
     device = frozen.lm_head.device
@@ -783,7 +786,10 @@ def chain_acceptance(
             hidden = drafter_forward(drafter, frozen.embed, batch)
         count = batch.labels.shape[1]
         hidden = hidden.view(len(keep), count, block, -1)[:, :, 1:]
-        predicted = F.linear(hidden.float(), frozen.lm_head).argmax(-1)  # [S, n, B-1]
+        if draft_vocab is None:
+            predicted = F.linear(hidden.float(), frozen.lm_head).argmax(-1)  # [S, n, B-1]
+        else:
+            predicted = draft_vocab[F.linear(hidden.float(), frozen.lm_head[draft_vocab]).argmax(-1)]
         run = torch.cumprod((predicted == batch.labels).long(), dim=-1).sum(-1)  # [S, n]
         for row, i in enumerate(keep):
             lengths = run[row, : len(anchors[i])].tolist()
