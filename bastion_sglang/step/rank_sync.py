@@ -125,6 +125,8 @@ class DraftHead:
     V_pad / N rows, padding last on the last ranks), gathered over `group` after the matmul. With a draft
     vocabulary (`integration.draft_vocab`) the rows of its ids, [Vd, H], whole on every rank (gathered
     once, when the head is made), and `token_ids` [Vd] int64 those ids. vocab_size: V, the logits kept.
+    Those rows are a copy: weights updated in place later (SGLang's weight-update endpoints) reach the
+    verify pass, not the draft head, which then drafts with the old rows (output stays the target's).
     """
 
     weight: torch.Tensor  # [V_local, H], or [Vd, H] with a draft vocabulary
