@@ -74,6 +74,24 @@ def engine_server_args(models: tuple[Path, Path], config: BastionConfig | None, 
     return server_args
 
 
+def generate_once(
+    models: tuple[Path, Path],
+    config: BastionConfig | None,
+    prompts: list[list[int]],
+    sampling_params: dict[str, Any],
+    **overrides: Any,
+) -> list[dict[str, Any]]:
+    """Start an Engine over the pair (`engine_server_args`), generate `prompts` with `sampling_params`, shut
+    it down; the outputs, in prompt order."""
+    import sglang
+
+    engine = sglang.Engine(server_args=engine_server_args(models, config, **overrides))
+    try:
+        return engine.generate(input_ids=prompts, sampling_params=sampling_params)
+    finally:
+        engine.shutdown()
+
+
 def first_difference(got: list[int], want: list[int]) -> int:
     """Index of the first differing token of two id lists (the shorter length if one prefixes the other)."""
     return next(

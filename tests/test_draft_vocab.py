@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, make_model_pair
+from engine_support import PROMPTS, VOCAB_SIZE, engine_server_args, generate_once, make_model_pair
 
 from bastion_sglang.calibration.store import STORE_ENV, ProfileStore
 from bastion_sglang.cli import main as bastion_main
@@ -199,8 +199,6 @@ def serve(
     models: tuple[Path, Path], policy: str, draft_vocab: str | None, startup: str = "off"
 ) -> tuple[list[list[int]], list[int | None]]:
     """Greedy outputs and verify passes of the first four prompts on an Engine (policy plain: none)."""
-    import sglang
-
     config = (
         None
         if policy == "plain"
@@ -212,13 +210,13 @@ def serve(
             draft_vocab=draft_vocab,  # type: ignore[arg-type]
         )
     )
-    engine = sglang.Engine(server_args=engine_server_args(models, config, max_total_tokens=4096))
-    try:
-        outputs = engine.generate(
-            input_ids=PROMPTS[:4], sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
-        )
-    finally:
-        engine.shutdown()
+    outputs = generate_once(
+        models,
+        config,
+        PROMPTS[:4],
+        {"temperature": 0.0, "max_new_tokens": NEW_TOKENS},
+        max_total_tokens=4096,
+    )
     return [o["output_ids"] for o in outputs], [o["meta_info"].get("spec_verify_ct") for o in outputs]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_support import PROMPTS, engine_server_args, make_model_pair
+from engine_support import PROMPTS, generate_once, make_model_pair
 
 from bastion_sglang.calibration.store import STORE_ENV, ProfileStore
 from bastion_sglang.integration.config import STARTUP_CALIBRATION_ENV
@@ -19,16 +19,9 @@ NEW_TOKENS = 12
 
 def serve_once(models: tuple[Path, Path], mode: str) -> list[list[int]]:
     """Start an Engine with start-up calibration `mode`, decode two prompts greedily, shut it down."""
-    import sglang
-
     config = make_config(max_budget=8, policy="adaptive", topk=4, startup_calibration=mode)  # type: ignore[arg-type]
-    engine = sglang.Engine(server_args=engine_server_args(models, config, max_total_tokens=4096))
-    try:
-        outputs = engine.generate(
-            input_ids=PROMPTS[:2], sampling_params={"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
-        )
-    finally:
-        engine.shutdown()
+    sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
+    outputs = generate_once(models, config, PROMPTS[:2], sampling, max_total_tokens=4096)
     return [output["output_ids"] for output in outputs]
 
 

@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bastion_sglang.assets.prompt_sets import load_prompts
-from bastion_sglang.integration.draft_vocab import read_draft_vocabulary
+from bastion_sglang.integration.draft_vocab import resolve_draft_vocabulary
 from bastion_sglang.integration.drafter_config import DrafterConfig, check_drafter_fits
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.data import TrainingSequence
@@ -172,14 +172,12 @@ def run(args: argparse.Namespace) -> int:
     vocabularies: list[tuple[str | None, torch.Tensor | None]] = [(None, None)]
     if args.draft_vocab is not None:
         try:
-            vocabulary = read_draft_vocabulary(args.draft_vocab)
+            vocabulary, _ = resolve_draft_vocabulary(
+                args.draft_vocab, None, int(target_config["vocab_size"]), topk=1
+            )
         except ValueError as error:
             raise SystemExit(f"error: --draft-vocab: {error}") from None
-        if vocabulary.target_vocab_size != int(target_config["vocab_size"]):
-            raise SystemExit(
-                f"error: --draft-vocab {args.draft_vocab}: counted for a vocabulary of "
-                f"{vocabulary.target_vocab_size} tokens, the target's has {target_config['vocab_size']}"
-            )
+        assert vocabulary is not None  # a file is named: resolved or refused
         ids = torch.tensor(vocabulary.token_ids, dtype=torch.int64, device=device)
         vocabularies.append((str(args.draft_vocab), ids))
     features = TargetFeatures(args.target, next(iter(layer_ids)), device).fill(sequences)

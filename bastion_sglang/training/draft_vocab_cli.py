@@ -10,12 +10,12 @@ share of counted tokens they cover. Put the file in the drafter's folder and `--
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 import numpy as np
 
+from bastion_sglang.controller.roofline import read_hf_config
 from bastion_sglang.integration.draft_vocab import DraftVocabulary, write_draft_vocabulary
 from bastion_sglang.training.token_data import load_token_data, read_token_manifest
 
@@ -87,14 +87,12 @@ def draft_vocabulary(folder: Path, vocab_size: int, size: int) -> DraftVocabular
 
 
 def target_vocab_size(target: Path) -> int:
-    """`vocab_size` of the target's config.json. ValueError naming the file."""
-    path = target / "config.json"
-    try:
-        value = json.loads(path.read_text())["vocab_size"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: cannot read the target's vocab_size ({error})") from error
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path}: vocab_size must be a positive int, got {value!r}")
+    """`vocab_size` of the target's config.json (`controller.roofline.read_hf_config`). ValueError naming
+    the file."""
+    config, name = read_hf_config(target)
+    value = config.get("vocab_size")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: vocab_size must be a positive int, got {value!r}")
     return value
 
 
