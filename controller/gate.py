@@ -15,8 +15,9 @@ evidence. (The correction also forgets its evidence over decode steps that verif
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
 than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
 speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`: the
-last drafted step's mean Â curve when it drafted for every request of the batch, else the mean curve of the
-recent drafted steps; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While the
+mean Â curve of the last four drafted steps of its own requests when the last drafted step drafted for every
+request of the batch, else the mean curve of the recent drafted steps; `speculation_ceiling` re-prices it at
+this batch's contexts and step costs). While the
 ceiling is at most PAYING_SPEEDUP, a probe the backoff asks for is skipped too and counts as a failed probe:
 the backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time per
 step on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
@@ -211,6 +212,8 @@ class DraftedStep:
 
 RECENT_DRAFTED_STEPS = 16
 """Drafted steps whose curves `DraftEvidence` averages for requests the last drafted step did not cover."""
+OWN_TEXT_STEPS = 4
+"""Drafted steps of a batch's own requests whose curves `DraftEvidence` averages for that batch."""
 
 
 class DraftEvidence:
@@ -222,23 +225,27 @@ class DraftEvidence:
     (`acceptance.AcceptanceTracker`), and a ceiling priced at the c' of a decline did not: one step planned
     at a pessimistic c' vetoed the gate's probes until its refresh, 64 steps and more.
 
-    A batch whose requests were all in the last drafted step gets that step's curve (its own text, as last
-    seen), raised to what nodes below the draft horizon could add (`reachable_accept`). A batch with a request
-    the last drafted step did not draft for (a request that just arrived, or a batch whose make-up changed
-    since) gets the mean of the last `capacity` drafted steps' raised curves: a request is expected to read
-    like the recent ones. Without that expectation every new request was a probe (a drafter pass and a
+    A batch whose requests were all in the last drafted step gets the mean of the raised curves (raised to
+    what nodes below the draft horizon could add, `reachable_accept`) of the last `own_steps` (4) drafted
+    steps that drafted for all of them: its own text, as recently seen. One step's curve swings with the text
+    at hand, and the ceiling re-prices it until a probe drafts again: priced on the last step alone, one step
+    that did not pay inside a stretch that did (on the CPU demo pair at c = 1, T = 0.7, a step at 0.88 after
+    twenty at 1.2 to 1.6) vetoed every probe until the refresh, 64 steps without drafting. A batch with a
+    request the last drafted step did not draft for (a request that just arrived, or a batch whose make-up
+    changed since) gets the mean of the last `capacity` drafted steps' raised curves: a request is expected to
+    read like the recent ones. Without that expectation every new request was a probe (a drafter pass and a
     verified tree): on the 2-core CPU demo pair at concurrency 1, with 64-token requests, about one probe per
-    request, 2-3 % of decode time where speculation never paid. The mean over several steps, not the last
-    one, keeps one request's unpredictable tail from vetoing the requests after it (on the CPU test pair the
-    last steps of one request past its oracle's reference had kept the next batch of 8 fresh requests from
-    drafting for 100 to 120 steps). Nothing is known before the first drafted step (None).
+    request, 2-3 % of decode time where speculation never paid. The mean over several steps, not the last one,
+    keeps one request's unpredictable tail from vetoing the requests after it (on the CPU test pair the last
+    steps of one request past its oracle's reference had kept the next batch of 8 fresh requests from drafting
+    for 100 to 120 steps). Nothing is known before the first drafted step (None).
     """
 
-    def __init__(self, capacity: int = RECENT_DRAFTED_STEPS) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+    def __init__(self, capacity: int = RECENT_DRAFTED_STEPS, own_steps: int = OWN_TEXT_STEPS) -> None:
+        if capacity < 1 or own_steps < 1:
+            raise ValueError(f"capacity and own_steps must be >= 1, got {capacity} and {own_steps}")
         self._steps: deque[DraftedStep] = deque(maxlen=capacity)
-        self._last: np.ndarray | None = None  # the last step's raised curve
+        self._own_steps = own_steps
         self._mean: np.ndarray | None = None  # the recent steps' mean, computed when first asked
 
     def record(self, step: DraftedStep) -> None:
@@ -246,27 +253,34 @@ class DraftEvidence:
         if not step.scale > 0:
             raise ValueError(f"a drafted step's correction must be > 0, got {step.scale!r}")
         self._steps.append(step)
-        self._last = _per_unit_correction(step, len(step.accept_curve) - 1)
         self._mean = None
 
     @property
     def has_steps(self) -> bool:
         """Whether any drafted step was recorded (else `curve_for` is None)."""
-        return self._last is not None
+        return bool(self._steps)
 
     def curve_for(self, requests: Iterable[str], scale: float = 1.0) -> np.ndarray | None:
         """[N + 1] the raised Â curve for a batch of `requests` (ids) at the online correction `scale`, N the
-        longest recent curve's, never above 1 + n; None before any drafted step."""
-        if self._last is None:
+        longest curve of the steps it averages, never above 1 + n; None before any drafted step."""
+        if not self._steps:
             return None
-        if self._steps[-1].covers(requests):
-            unit = self._last
+        wanted = frozenset(requests)
+        if self._steps[-1].covers(wanted):
+            own = [step for step in reversed(self._steps) if step.covers(wanted)][: self._own_steps]
+            unit = _mean_curve(own)
         else:
             if self._mean is None:
-                nodes = max(len(step.accept_curve) for step in self._steps) - 1
-                self._mean = np.mean([_per_unit_correction(step, nodes) for step in self._steps], axis=0)
+                self._mean = _mean_curve(self._steps)
             unit = self._mean
         return np.minimum(1.0 + scale * (unit - 1.0), 1.0 + np.arange(unit.shape[0], dtype=np.float64))
+
+
+def _mean_curve(steps: Iterable[DraftedStep]) -> np.ndarray:
+    """[N + 1] the mean of the steps' raised curves at correction 1, N the longest of their curves'."""
+    steps = list(steps)
+    nodes = max(len(step.accept_curve) for step in steps) - 1
+    return np.mean([_per_unit_correction(step, nodes) for step in steps], axis=0)
 
 
 def _per_unit_correction(step: DraftedStep, nodes: int) -> np.ndarray:

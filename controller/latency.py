@@ -85,15 +85,24 @@ Bounds: a in SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_F
 never <= 0 (base = 1 for a calibrated model).
 Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step
 has been observed, plain decoding borrows the verify passes' correction. The planner compares the two
-(Ŝ = Â·L_AR / Ĉ), so it prices L_AR with the plain correction as it stood at the last verify observation
-(`predict_plain_batch_as_of_verify`): while speculation is off only plain steps are measured, and the
-current plain correction follows the device (a bigger batch, a busier machine) where the verify
-correction cannot. On the 2-core CPU at B = 8, priced from a profile measured at B = 1, plain steps ran
-1.8× the profile, verify passes 1.6× and drafter passes 1.7×; a current L_AR over a stale Ĉ put Ŝ about
-1.7× too high, and a probe verified a tree at an estimated 1.08 that cost two plain steps. Without a profile
-the bare roofline does not relate the two passes, so there the rule holds only once a plain step was observed
-before the last verify pass. `ema_factor` summarises the verify correction as a factor at its typical point:
-(a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens it saw.
+(Ŝ = Â·L_AR / Ĉ), and while speculation is off only plain steps are measured: the plain correction follows
+the device (a bigger batch, a busier machine, a profile measured while the machine was slower) where the
+verify correction cannot. With a profile, which relates the two passes, verify predictions therefore carry
+the machine factor m, the plain correction as one factor (1 before any plain step): a verify pass is priced
+m·V(P, T), and the verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each
+observation), so its prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes
+the current L_AR. On the 2-core CPU
+demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the drafter off; a
+verify correction that moved alone kept Ĉ at the profile's 107 ms for a 5-token pass that ran in 86 ms, and
+the gate vetoed drafting where `fixed:4` ran 1.14× plain decoding. Where the passes drift apart (at B = 8,
+priced from a profile measured at B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter
+passes 1.7×) m prices verify passes 12 % high until verify passes are observed: a cautious error, where a
+current L_AR over a Ĉ that did not move put Ŝ about 1.7× too high and a probe verified a tree at an estimated
+1.08 that cost two plain steps. Without a profile the bare roofline does not relate the two passes: there m is
+1 and the planner prices L_AR with the plain correction as it stood at the last verify observation
+(`predict_plain_batch_as_of_verify`), once a plain step was observed before the last verify pass.
+`ema_factor` summarises the verify correction as a factor at its typical point: m·(a·P̄ + d·T̄) / P̄, with P̄
+and T̄ the weighted means of the predictions and tokens V saw.
 """
 
 from __future__ import annotations
@@ -680,13 +689,26 @@ class LatencyModel:
 
     @property
     def ema_factor(self) -> float:
-        """The verify correction as one factor at its typical point (1 before any observation)."""
-        return self._verify.factor
+        """The verify correction as one factor at its typical point, the machine factor included (1 before
+        any observation)."""
+        return self._machine() * self._verify.factor
 
     @property
     def drift(self) -> float:
         """|ema_factor - 1|: how far the observed verify latency has moved from the offline fit, fraction."""
-        return abs(self._verify.factor - 1.0)
+        return abs(self.ema_factor - 1.0)
+
+    @property
+    def machine_factor(self) -> float:
+        """The machine factor m verify predictions carry (module docstring, "Online correction"): a calibrated
+        model's plain correction as one factor, once a plain step was observed; else 1."""
+        return self._machine()
+
+    def _machine(self) -> float:
+        """`machine_factor`."""
+        if self._fit is None or not self._plain.observations:
+            return 1.0
+        return self._plain.factor
 
     def padded_width(self, s: int) -> int:
         """The verify width a pass of s tokens per request runs at: the smallest bucket >= s (s itself
@@ -728,7 +750,7 @@ class LatencyModel:
     def predict(self, s: int, c: int) -> float:
         """Seconds of one verify pass of s tokens over c cached tokens, at the padded width, corrected."""
         width = self.padded_width(s)
-        return self._verify.correct(self._verify_seconds(width, c), width)
+        return self._machine() * self._verify.correct(self._verify_seconds(width, c), width)
 
     def predict_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
         """Vectorised `predict`. s: [M] int64 widths; c: cached tokens. Returns [M] float64 seconds on s's
@@ -776,7 +798,7 @@ class LatencyModel:
             + fit.alpha_attn * (attention / prices.peak_flops)
             + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
-        return self._verify.correct_array(seconds, tokens)
+        return self._machine() * self._verify.correct_array(seconds, tokens)
 
     def predict_widths(self, s: np.ndarray, c: int) -> np.ndarray:
         """Seconds of single-request verify passes of s[m] tokens over c cached tokens, corrected online:
@@ -799,7 +821,7 @@ class LatencyModel:
             + fit.alpha_attn * (attention / prices.peak_flops)
             + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
-        return self._verify.correct_array(seconds, tokens)
+        return self._machine() * self._verify.correct_array(seconds, tokens)
 
     def _token_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """β_fixed + α_gemm·G(T) + α_tok·min(T, T*), the fit's parts that depend on a pass's tokens alone.
@@ -818,7 +840,7 @@ class LatencyModel:
         width for the whole batch, the bucket of max_i s_i, so every request is padded to it.
         """
         terms = self._verify_batch_terms(s_per_request, c_per_request)
-        return self._verify.correct(self.latency_fit.seconds(terms), terms.tokens)
+        return self._machine() * self._verify.correct(self.latency_fit.seconds(terms), terms.tokens)
 
     def predict_plain(self, c: int) -> float:
         """Seconds of one plain decode step (one token) over c cached tokens, corrected online."""
@@ -830,13 +852,15 @@ class LatencyModel:
         return self._plain_prediction(self._plain, contexts)
 
     def predict_plain_batch_as_of_verify(self, contexts: TokenCounts) -> float:
-        """`predict_plain_batch` with the plain correction as it stood at the last verify observation (as it
-        started before any): the L_AR whose evidence is as old as the verify predictions' (module docstring,
-        "Online correction"), for the planner's Ŝ. Equal to `predict_plain_batch` while every step verifies.
-        Without a profile, when no plain step had been observed by then, the current L_AR: the bare roofline
-        does not relate the two passes (a DECODE step of a tiny model on a CPU measured 4× what the verify
-        passes' correction made of its roofline), so nothing of that age prices a plain step."""
-        plain = self._plain if self._plain_at_verify is None else self._plain_at_verify
+        """The L_AR the planner's Ŝ compares with verify passes (module docstring, "Online correction"). With
+        a profile, `predict_plain_batch`: verify predictions carry the plain steps' machine factor, so the two
+        age alike. Without one, the plain correction as it stood at the last verify observation (as it
+        started before any): the L_AR whose evidence is as old as the verify predictions'; equal to
+        `predict_plain_batch` while every step verifies, and the current L_AR when no plain step had been
+        observed by then: the bare roofline does not relate the two passes (a DECODE step of a tiny model on
+        a CPU measured 4× what the verify passes' correction made of its roofline), so nothing of that age
+        prices a plain step."""
+        plain = self._plain if self._plain_at_verify is None or self.calibrated else self._plain_at_verify
         if not plain.observations and not self.calibrated:
             plain = self._plain
         return self._plain_prediction(plain, contexts)
@@ -854,14 +878,14 @@ class LatencyModel:
         non-positive seconds."""
         _check_seconds(seconds)
         width = self.padded_width(s)
-        self._verify.update(self._verify_seconds(width, c), width, float(seconds))
+        self._verify.update(self._verify_seconds(width, c), width, float(seconds) / self._machine())
         self._plain_at_verify = None
 
     def observe_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts, seconds: float) -> None:
         """`observe` for one measured verify pass over a batch (padded as in `predict_batch`)."""
         _check_seconds(seconds)
         terms = self._verify_batch_terms(s_per_request, c_per_request)
-        self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds))
+        self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds) / self._machine())
         self._plain_at_verify = None
 
     def observe_plain(self, c: int, seconds: float) -> None:

@@ -27,7 +27,11 @@ A prior (a profile's measured costs, T_draft measured at B = 1) enters the sums 
 pseudo-steps (aux at 1 and at PRIOR_TOKENS tokens, draft at PRIOR_BATCHES) that decay like measured
 ones: with the server's default weight of 1 / ema_alpha pseudo-steps the measurements take over within a
 few dozen steps (one drafted step at another batch size sets the draft line's slope), and a tiny ema_alpha
-keeps the profile. The profile has no drafter timing at B > 1, so the prior's draft line takes its slope from
+keeps the profile. The prior's seconds are the profile's times the latency model's machine factor
+(`LatencyModel.machine_factor`: how fast plain decode steps run against the profile), so a profile measured
+while the machine ran slower moves with it before any drafted step is measured (on the CPU demo pair a
+start-up profile's 13.7 ms drafter pass where plain steps ran 0.8x the profile, measured 10.9 ms while
+drafting). The profile has no drafter timing at B > 1, so the prior's draft line takes its slope from
 the target's latency model on this hardware (`draft_seconds_per_request`): a drafter pass over B blocks grows
 as a verify pass of the target over B blocks does, flat where passes are bound by weight reads (a GPU at small
 batches), close to proportional where they are compute-bound (a CPU). On the CPU demo pair that prices a pass
@@ -98,6 +102,17 @@ class DecayingLine:
         self.xy += weight * x * y
         self.x_max = max(self.x_max, x)
 
+    def plus(self, other: DecayingLine, weight: float, y_scale: float) -> DecayingLine:
+        """This line's points and `other`'s, the latter weighed by `weight` with their y times `y_scale`."""
+        return DecayingLine(
+            w=self.w + weight * other.w,
+            x=self.x + weight * other.x,
+            xx=self.xx + weight * other.xx,
+            y=self.y + weight * y_scale * other.y,
+            xy=self.xy + weight * y_scale * other.xy,
+            x_max=max(self.x_max, other.x_max if other.w > 0 else 0.0),
+        )
+
     def shift(self, slope: float) -> None:
         """Add slope · x to the y of every point put in so far (their weights and x unchanged)."""
         self.y += slope * self.x
@@ -149,13 +164,16 @@ class StepCostTracker:
         self._decay = decay
         self._warmup_left = warmup_steps
         self._steps = 0
-        self._aux = DecayingLine()  # seconds over verify tokens of the batch
-        self._draft = DecayingLine()  # seconds over requests in the batch
+        self._aux = DecayingLine()  # measured seconds over verify tokens of the batch
+        self._draft = DecayingLine()  # measured seconds over requests in the batch
+        self._prior_aux = DecayingLine()  # the prior's pseudo-steps, undecayed
+        self._prior_draft = DecayingLine()
+        self._prior_left = 1.0  # the weight the prior's pseudo-steps keep: decay ** steps
         if prior is not None:
             for tokens in (1, PRIOR_TOKENS):
-                self._aux.add(prior_weight / 2, tokens, prior.t_aux + prior.t_aux_per_token * tokens)
+                self._prior_aux.add(prior_weight / 2, tokens, prior.t_aux + prior.t_aux_per_token * tokens)
             for batch in PRIOR_BATCHES:
-                self._draft.add(
+                self._prior_draft.add(
                     prior_weight / 2, batch, prior.t_draft + prior_draft_per_request * (batch - 1)
                 )
 
@@ -170,7 +188,7 @@ class StepCostTracker:
             raise ValueError(f"seconds must be >= 0 per token, got {seconds!r}")
         if self._steps > 0:
             raise ValueError("the prior's per-token cost can only be raised before the first measured step")
-        self._aux.shift(seconds)
+        self._prior_aux.shift(seconds)
 
     @property
     def steps(self) -> int:
@@ -185,29 +203,40 @@ class StepCostTracker:
             return
         for line in (self._aux, self._draft):
             line.decay(self._decay)
+        self._prior_left *= self._decay
         self._aux.add(1.0, tokens, aux_seconds)
         self._draft.add(1.0, batch, draft_seconds)
         self._steps += 1
 
-    def aux_line(self) -> tuple[float, float]:
-        """(T_aux seconds, t_aux_per_token seconds per token) fitted so far; (0, 0) before any step."""
-        return self._aux.fit()
+    def _line(self, measured: DecayingLine, prior: DecayingLine, machine: float) -> DecayingLine:
+        """The measured points and the prior's, the prior's seconds times `machine` (module docstring)."""
+        if not machine > 0:
+            raise ValueError(f"machine must be a factor > 0, got {machine!r}")
+        return measured.plus(prior, self._prior_left, machine)
 
-    def draft_seconds(self, batch: int) -> float:
-        """T_draft of a drafter pass over `batch` requests, seconds; 0 before any step."""
-        intercept, per_request = self._draft.fit()
+    def aux_line(self, machine: float = 1.0) -> tuple[float, float]:
+        """(T_aux seconds, t_aux_per_token seconds per token) fitted so far, the prior's seconds times
+        `machine`; (0, 0) before any step."""
+        return self._line(self._aux, self._prior_aux, machine).fit()
+
+    def draft_seconds(self, batch: int, machine: float = 1.0) -> float:
+        """T_draft of a drafter pass over `batch` requests, seconds, the prior's seconds times `machine`; 0
+        before any step."""
+        intercept, per_request = self._line(self._draft, self._prior_draft, machine).fit()
         return intercept + per_request * batch
 
     def aux_token_span(self) -> int | None:
         """The most verify tokens of any point of the aux line, the prior's included; None before any."""
-        return math.ceil(self._aux.x_max) if self._aux.w > 0 else None
+        line = self._line(self._aux, self._prior_aux, 1.0)
+        return math.ceil(line.x_max) if line.w > 0 else None
 
-    def costs(self, l_ar: float, batch: int = 1) -> StepCosts:
-        """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds. The
-        per-token work is priced no further than `aux_token_span` (module docstring)."""
-        t_aux, per_token = self.aux_line()
+    def costs(self, l_ar: float, batch: int = 1, machine: float = 1.0) -> StepCosts:
+        """StepCosts for the planner of a batch of `batch` requests; `l_ar`: its plain-decoding seconds;
+        machine: the latency model's machine factor, which the prior's seconds are taken times (module
+        docstring). The per-token work is priced no further than `aux_token_span` (module docstring)."""
+        t_aux, per_token = self.aux_line(machine)
         return StepCosts(
-            t_draft=self.draft_seconds(batch),
+            t_draft=self.draft_seconds(batch, machine),
             t_aux=t_aux,
             l_ar=l_ar,
             t_aux_per_token=per_token,

@@ -358,19 +358,44 @@ def test_a_drafted_steps_curve_reaches_past_its_own_nodes_by_its_deeper_gain() -
     assert DraftedStep((1.0, 1.9, 2.0), 0.5, frozenset()).reachable(1).tolist() == [1.0, 1.9]
 
 
-def test_evidence_prices_a_covered_batch_on_the_last_step_and_new_requests_on_the_recent_mean() -> None:
-    evidence = DraftEvidence(capacity=3)
+def test_evidence_prices_a_covered_batch_on_its_own_steps_and_new_requests_on_the_recent_mean() -> None:
+    evidence = DraftEvidence(capacity=3, own_steps=2)
     assert evidence.curve_for(["a"]) is None  # nothing drafted yet
     evidence.record(DraftedStep((1.0, 1.9, 2.7), 0.0, frozenset({"a"})))
     evidence.record(DraftedStep((1.0, 2.0), 0.5, frozenset({"b"})))
     evidence.record(DraftedStep((1.0, 1.0, 1.0), 0.0, frozenset({"a", "b"})))
-    assert evidence.curve_for(["b", "a"]).tolist() == [1.0, 1.0, 1.0]  # the last step's own requests
+    assert evidence.curve_for(["b", "a"]).tolist() == [1.0, 1.0, 1.0]  # the only step of both requests
+    # "a" alone: its own last two steps, the one between them for "b" left out
+    assert evidence.curve_for(["a"]).tolist() == pytest.approx([1.0, (1.9 + 1.0) / 2, (2.7 + 1.0) / 2])
     mean = [1.0, (1.9 + 2.0 + 1.0) / 3, (2.7 + 2.5 + 1.0) / 3]
     assert evidence.curve_for(["a", "c"]).tolist() == pytest.approx(mean)  # "c": the recent steps' mean
     evidence.record(DraftedStep((1.0, 1.8, 2.4), 0.0, frozenset({"d"})))  # the first step is forgotten
     assert evidence.curve_for(["c"]).tolist() == pytest.approx([1.0, 4.8 / 3, 5.9 / 3])
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(ValueError, match="capacity and own_steps"):
         DraftEvidence(capacity=0)
+    with pytest.raises(ValueError, match="capacity and own_steps"):
+        DraftEvidence(own_steps=0)
+
+
+def test_one_step_that_did_not_pay_does_not_veto_its_own_text() -> None:
+    """Twenty drafted steps of one request estimated well above plain decoding, then one step that was not:
+    the request's own batch is still priced above plain decoding (the mean of its last four steps), so the
+    gate's next probe runs; four such steps in a row price it below."""
+    model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
+    l_ar = model.predict_plain_batch([300])
+    costs = StepCosts(t_draft=0.2 * l_ar, t_aux=0.0, l_ar=l_ar)
+    evidence = DraftEvidence()
+    paying = (1.0, 1.6, 2.0, 2.2, 2.3)
+    for _ in range(20):
+        evidence.record(DraftedStep(paying, 0.0, frozenset({"a"})))
+    assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup > 1.3
+    dip = (1.0, 1.05, 1.08, 1.1, 1.11)
+    evidence.record(DraftedStep(dip, 0.0, frozenset({"a"})))
+    assert speculation_ceiling(dip, [300], model, costs).speedup < PAYING_SPEEDUP
+    assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup > PAYING_SPEEDUP
+    for _ in range(3):
+        evidence.record(DraftedStep(dip, 0.0, frozenset({"a"})))
+    assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup < PAYING_SPEEDUP
 
 
 def test_one_requests_unpredictable_tail_does_not_veto_the_next_requests() -> None:
@@ -394,7 +419,7 @@ def test_evidence_is_priced_at_the_correction_of_the_day() -> None:
     """A curve planned at c = 0.25 is priced at the correction asked for: its drafted part times c / 0.25,
     never above 1 + n. A ceiling priced at a decline's pessimistic c kept vetoing probes after the correction
     had forgotten it."""
-    evidence = DraftEvidence(capacity=2)
+    evidence = DraftEvidence(capacity=2, own_steps=1)
     evidence.record(DraftedStep((1.0, 1.2, 1.3), 0.0, frozenset({"a"}), scale=0.25))
     assert evidence.curve_for(["a"], 0.25).tolist() == pytest.approx([1.0, 1.2, 1.3])
     assert evidence.curve_for(["a"], 0.5).tolist() == pytest.approx([1.0, 1.4, 1.6])

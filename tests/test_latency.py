@@ -398,31 +398,41 @@ def test_online_plain_correction(roofline: RooflineModel) -> None:
     assert model.predict_plain_batch([100, 100]) == pytest.approx(
         0.8 * offline.predict_plain_batch([100, 100]), rel=0.05
     )
-    assert model.ema_factor == 1.0 and model.predict(8, 1000) == offline.predict(8, 1000)
+    # a profile relates the two passes: verify predictions carry the plain steps' machine factor
+    assert model.verify_correction.observations == 0
+    assert model.ema_factor == pytest.approx(0.8, rel=0.01)
+    assert model.predict(8, 1000) == pytest.approx(0.8 * offline.predict(8, 1000), rel=0.01)
 
 
-def test_planning_prices_plain_steps_as_of_the_last_verify_observation(roofline: RooflineModel) -> None:
-    """Plain steps of a batch of 8 run 1.8x the profile while nothing verifies: the current L_AR follows
-    them, the planner's L_AR stays as old as the verify evidence (the profile's) until a verify pass is
-    observed, and from then on the two are one."""
+def test_verify_prices_carry_the_plain_steps_machine_factor(roofline: RooflineModel) -> None:
+    """With a profile, plain steps that run 0.8x it while nothing verifies (a start-up profile measured on a
+    slower machine) take verify prices along, so Ŝ's ratio L_AR / Ĉ stays the profile's and the planner
+    takes the current L_AR; verify passes observed at another ratio (1.6x where plain steps run 1.8x) keep
+    that ratio when the plain steps move again. Without the machine factor a verify price stuck at the
+    profile's kept the gate closed where speculation paid 1.14x."""
     model = LatencyModel(roofline, TRUE_FIT, ema_alpha=0.1)
     offline = LatencyModel(roofline, TRUE_FIT)
-    batch = [512] * 8
-    assert model.predict_plain_batch_as_of_verify(batch) == offline.predict_plain_batch(batch)
+    batch, widths = [512] * 8, [4] * 8
+    for _ in range(ONLINE_STEPS):
+        model.observe_plain_batch(batch, 0.8 * offline.predict_plain_batch(batch))
+    assert model.predict_plain_batch_as_of_verify(batch) == model.predict_plain_batch(batch)
+    ratio = model.predict_batch(widths, batch) / model.predict_plain_batch(batch)
+    assert ratio == pytest.approx(
+        offline.predict_batch(widths, batch) / offline.predict_plain_batch(batch), rel=0.01
+    )
     for _ in range(ONLINE_STEPS):
         model.observe_plain_batch(batch, 1.8 * offline.predict_plain_batch(batch))
-    now = model.predict_plain_batch(batch)
-    assert now == pytest.approx(1.8 * offline.predict_plain_batch(batch), rel=0.01)
-    assert model.predict_plain_batch_as_of_verify(batch) == offline.predict_plain_batch(batch)
-    assert model.predict_batch([4] * 8, batch) == offline.predict_batch([4] * 8, batch)  # verify: stale alike
-    model.observe_batch([4] * 8, batch, 1.6 * offline.predict_batch([4] * 8, batch))
-    assert model.predict_plain_batch_as_of_verify(batch) == model.predict_plain_batch(batch)
-    for _ in range(5):  # plain steps after the verify pass move only the current L_AR
-        model.observe_plain_batch(batch, 2.5 * offline.predict_plain_batch(batch))
-    assert model.predict_plain_batch(batch) > 1.9 * offline.predict_plain_batch(batch)
-    assert model.predict_plain_batch_as_of_verify(batch) == pytest.approx(
-        1.8 * offline.predict_plain_batch(batch), rel=0.01
+        model.observe_batch(widths, batch, 1.6 * offline.predict_batch(widths, batch))
+    assert model.predict_batch(widths, batch) == pytest.approx(
+        1.6 * offline.predict_batch(widths, batch), rel=0.02
     )
+    for _ in range(ONLINE_STEPS):
+        model.observe_plain_batch(batch, 2.5 * offline.predict_plain_batch(batch))
+    assert model.predict_plain_batch(batch) == pytest.approx(
+        2.5 * offline.predict_plain_batch(batch), rel=0.01
+    )
+    expected = 1.6 * 2.5 / 1.8 * offline.predict_batch(widths, batch)
+    assert model.predict_batch(widths, batch) == pytest.approx(expected, rel=0.02)
 
 
 def test_plain_step_prices_follow_the_batch_they_are_asked_for(roofline: RooflineModel) -> None:

@@ -58,6 +58,29 @@ def test_prior_counts_as_pseudo_steps() -> None:
     assert stubborn.costs(l_ar=0.2).t_draft == pytest.approx(0.5, rel=1e-3)  # a heavy prior stays
 
 
+def test_the_prior_moves_with_the_machine_factor_and_measured_steps_do_not() -> None:
+    """A profile measured while the machine ran slower: plain steps now run 0.8x it, so before any drafted
+    step the prior's costs are taken 0.8x; a measured step's seconds are what they are."""
+    prior = StepCosts(t_draft=0.5, t_aux=0.25, l_ar=1.0, t_aux_per_token=0.125)
+    tracker = StepCostTracker(prior=prior, decay=0.9, prior_weight=1.0)
+    costs = tracker.costs(l_ar=0.2, machine=0.8)
+    assert (costs.t_draft, costs.t_aux, costs.t_aux_per_token) == pytest.approx((0.4, 0.2, 0.1))
+    slower = StepCosts(t_draft=0.4, t_aux=0.2, l_ar=1.0, t_aux_per_token=0.1)  # the prior taken 0.8x
+    twin = StepCostTracker(prior=slower, decay=0.9, prior_weight=1.0)
+    for observed in (tracker, twin):
+        observed.observe(0.3, 0.2, 4)  # one measured step against the prior's pseudo-steps
+    moved, reference = tracker.costs(l_ar=0.2, machine=0.8), twin.costs(l_ar=0.2)
+    assert (moved.t_draft, moved.t_aux, moved.t_aux_per_token) == pytest.approx(
+        (reference.t_draft, reference.t_aux, reference.t_aux_per_token)
+    )
+    assert tracker.costs(l_ar=0.2).t_draft > moved.t_draft
+    measured_only = StepCostTracker(decay=0.9)
+    measured_only.observe(0.3, 0.2, 4)
+    assert measured_only.costs(l_ar=0.2, machine=0.5).t_draft == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="machine"):
+        tracker.costs(l_ar=0.2, machine=0.0)
+
+
 def test_a_cost_the_profile_lacks_raises_the_priors_per_token_line() -> None:
     """A paged commit's KV copy (seconds per verify token) adds to the prior's slope, not to its intercept,
     and later measured steps, which include the copy, replace it as they would the prior's own line."""

@@ -267,13 +267,13 @@ class StepController:
 
     def step_costs(self, contexts: Sequence[int]) -> StepCosts:
         """Per-step costs for the planner: the fixed costs if given, else the tracker's measured stages (the
-        profile's costs until they warm up) and L_AR, the latency model's plain decode step of the whole batch
-        as of its last verify observation (`LatencyModel.predict_plain_batch_as_of_verify`: Ŝ compares it
-        with verify passes)."""
+        profile's costs, at the latency model's machine factor, until they warm up) and L_AR, the latency
+        model's plain decode step of the whole batch as Ŝ compares it with verify passes
+        (`LatencyModel.predict_plain_batch_as_of_verify`)."""
         if self.fixed_costs is not None:
             return self.fixed_costs
         l_ar = self.latency.predict_plain_batch_as_of_verify(contexts)
-        return self.costs.costs(l_ar=l_ar, batch=len(contexts))
+        return self.costs.costs(l_ar=l_ar, batch=len(contexts), machine=self.latency.machine_factor)
 
     def begin(self, contexts: list[int], greedy: list[bool], requests: Sequence[str]) -> StepStart:
         """Open a decode step over a batch: contexts [B] committed tokens, greedy [B], requests [B] ids."""
