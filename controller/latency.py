@@ -92,9 +92,10 @@ the machine factor m, the plain correction as one factor (1 before any plain ste
 m·V(P, T), and the verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each
 observation), so its prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes
 the current L_AR. On the 2-core CPU
-demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the drafter off; a
-verify correction that moved alone kept Ĉ at the profile's 107 ms for a 5-token pass that ran in 86 ms, and
-the gate vetoed drafting where `fixed:4` ran 1.14× plain decoding. Where the passes drift apart (at B = 8,
+demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the drafter off;
+from the first verified probe on, L_AR followed them while Ĉ, with one verify pass to learn from, stayed
+near the profile's 107 ms for a 5-token pass that ran in 86 ms, and the gate vetoed drafting where `fixed:4`
+ran 1.14× plain decoding. Where the passes drift apart (at B = 8,
 priced from a profile measured at B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter
 passes 1.7×) m prices verify passes 12 % high until verify passes are observed: a cautious error, where a
 current L_AR over a Ĉ that did not move put Ŝ about 1.7× too high and a probe verified a tree at an estimated

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -273,13 +274,28 @@ def test_sglang_engine_on_cpu_writes_a_profile(pair: tuple[Path, Path], tmp_path
 def test_server_finds_the_sglang_profile_with_auto(
     pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`bastion calibrate --engine sglang` into a store, then the worker's latency setup with `auto`."""
+    """`bastion calibrate --engine sglang` into a store, then the worker's latency setup with `auto`. The
+    drafter folder holds a draft vocabulary: calibration times the draft over it and records its size, so a
+    server drafting over it finds the profile and one scoring the whole vocabulary does not."""
     from sglang.srt.server_args import ServerArgs
 
     from bastion_sglang.integration.config import BastionConfig
-    from bastion_sglang.step.planning_setup import worker_latency_model
+    from bastion_sglang.integration.draft_vocab import (
+        DRAFT_VOCAB_FILE,
+        DraftVocabulary,
+        write_draft_vocabulary,
+    )
+    from bastion_sglang.step.planning_setup import resolve_worker_profile, worker_latency_model
 
-    target, drafter = pair
+    target, tiny_drafter = pair
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_drafter, drafter)
+    vocab_size = int(json.loads((target / "config.json").read_text())["vocab_size"])
+    ids = list(range(0, vocab_size, 2))[:24]
+    vocabulary = DraftVocabulary(
+        target_vocab_size=vocab_size, source="test", counted_tokens=100, coverage=0.5, token_ids=ids
+    )
+    write_draft_vocabulary(drafter / DRAFT_VOCAB_FILE, vocabulary)
     store = tmp_path / "store"
     argv = [sys.executable, "-m", "bastion_sglang.calibration", "--model-path", str(target)]
     argv += ["--draft-model-path", str(drafter), "--engine", "sglang", "--device", "cpu", *GRID]
@@ -289,6 +305,7 @@ def test_server_finds_the_sglang_profile_with_auto(
     assert result.returncode == 0, result.stderr[-4000:]
     (path,) = sorted(store.glob("*.json"))
     profile = load_profile(path)
+    assert profile.metadata.settings.draft_vocab_size == len(ids)
     server_args = ServerArgs(
         model_path=str(target),
         speculative_draft_model_path=str(drafter),
@@ -298,9 +315,18 @@ def test_server_finds_the_sglang_profile_with_auto(
     config = json.loads((target / "config.json").read_text())
     cpu = torch.device("cpu")
     monkeypatch.setenv("BASTION_PROFILE_STORE", str(store))
-    latency, costs = worker_latency_model(BastionConfig(), server_args, config, torch.float32, cpu)
+    drafting = resolve_worker_profile(
+        BastionConfig(), server_args, torch.float32, cpu, draft_vocab_size=len(ids)
+    )
+    latency, costs = worker_latency_model(
+        BastionConfig(), server_args, config, torch.float32, cpu, resolved=drafting
+    )
     assert latency.calibrated and latency.latency_fit == profile.fit
     assert costs == profile.step_costs
+    with caplog.at_level(logging.WARNING):
+        whole = resolve_worker_profile(BastionConfig(), server_args, torch.float32, cpu)
+    assert whole.profile is None  # its T_draft was timed over 24 tokens, not the whole vocabulary
+    caplog.clear()
     monkeypatch.setenv("BASTION_PROFILE_STORE", str(tmp_path / "empty"))
     with caplog.at_level(logging.WARNING):
         latency, costs = worker_latency_model(BastionConfig(), server_args, config, torch.float32, cpu)
