@@ -17,19 +17,19 @@ than a plain step). So before drafting, the caller may pass a `ceiling`: the est
 speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`: the
 mean Â curve of the last four drafted steps of its own requests when the last drafted step drafted for every
 request of the batch, else the mean curve of the recent drafted steps; `speculation_ceiling` re-prices it at
-this batch's contexts and step costs). While the
-ceiling is at most PAYING_SPEEDUP, a probe the backoff asks for is skipped too and counts as a failed probe:
-the backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time per
-step on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
-min_backoff). Only a refresh probe still runs (the text may have become easier), once the steps without
-drafting reach the refresh interval; a vetoed probe's backoff never runs past that point. While speculating
-the ceiling is not asked: each step's own plan decides, and for the batch the last step drafted for the
-ceiling would only repeat that plan's speculative speedup. Where the draft horizon held the trees back (h < D,
-`controller.horizon`), the curve is raised to what nodes below the horizon could add (`horizon_gain`,
-`reachable_accept`): after a decline the horizon is two positions, and a curve capped at depth 2 kept the gate
-closed for 50 steps on text the drafter predicted 15 tokens deep. A probe itself scores every position
-(`probing`, `DraftHorizon.open`), so the curve it leaves needs no raise: raised from two positions, such
-curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans read 0.6 to 0.8.
+this batch's contexts and step costs). While the ceiling is at most PAYING_SPEEDUP, a probe the backoff asks
+for is skipped too and counts as a failed probe: the backoff doubles and the ceiling is asked again after it
+(pricing a curve cost 0.23 ms of host time per step on the CPU demo pair, 1 % of a plain step, when it was
+asked at every step of a backoff stuck at min_backoff). Only a refresh probe still runs (the text may have
+become easier), once the steps without drafting reach the refresh interval; a vetoed probe's backoff never
+runs past that point. While speculating the ceiling is not asked: each step's own plan decides, and for the
+batch the last step drafted for the ceiling would only repeat that plan's speculative speedup. Where the draft
+horizon held the trees back (h < D, `controller.horizon`), the curve is raised to what nodes below the horizon
+could add (`horizon_gain`, `reachable_accept`): after a decline the horizon is two positions, and a curve
+capped at depth 2 kept the gate closed for 50 steps on text the drafter predicted 15 tokens deep. A probe
+itself scores every position (`probing`, `DraftHorizon.open`), so the curve it leaves needs no raise: raised
+from two positions, such curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans read
+0.6 to 0.8.
 
 A refresh probe only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes
 plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps.

@@ -83,27 +83,26 @@ splits the correction between a and d there). What happens next depends on wheth
   off by two orders of magnitude, beyond what a bounded a and a regularised d reach).
 Bounds: a in SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is
 never <= 0 (base = 1 for a calibrated model).
-Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step
-has been observed, plain decoding borrows the verify passes' correction. The planner compares the two
-(Ŝ = Â·L_AR / Ĉ), and while speculation is off only plain steps are measured: the plain correction follows
-the device (a bigger batch, a busier machine, a profile measured while the machine was slower) where the
-verify correction cannot. With a profile, which relates the two passes, verify predictions therefore carry
-the machine factor m, the plain correction as one factor (1 before any plain step): a verify pass is priced
-m·V(P, T), and the verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each
-observation), so its prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes
-the current L_AR. On the 2-core CPU
-demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the drafter off;
-from the first verified probe on, L_AR followed them while Ĉ, with one verify pass to learn from, stayed
-near the profile's 107 ms for a 5-token pass that ran in 86 ms, and the gate vetoed drafting where `fixed:4`
-ran 1.14× plain decoding. Where the passes drift apart (at B = 8,
-priced from a profile measured at B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter
-passes 1.7×) m prices verify passes 12 % high until verify passes are observed: a cautious error, where a
-current L_AR over a Ĉ that did not move put Ŝ about 1.7× too high and a probe verified a tree at an estimated
-1.08 that cost two plain steps. Without a profile the bare roofline does not relate the two passes: there m is
-1 and the planner prices L_AR with the plain correction as it stood at the last verify observation
-(`predict_plain_batch_as_of_verify`), once a plain step was observed before the last verify pass.
-`ema_factor` summarises the verify correction as a factor at its typical point: m·(a·P̄ + d·T̄) / P̄, with P̄
-and T̄ the weighted means of the predictions and tokens V saw.
+Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step has
+been observed, plain decoding borrows the verify passes' correction. The planner compares the two (Ŝ = Â·L_AR
+/ Ĉ), and while speculation is off only plain steps are measured: the plain correction follows the device (a
+bigger batch, a busier machine, a profile measured while the machine was slower) where the verify correction
+cannot. With a profile, which relates the two passes, verify predictions therefore carry the machine factor m,
+the plain correction as one factor (1 before any plain step): a verify pass is priced m·V(P, T), and the
+verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each observation), so its
+prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes the current L_AR. On
+the 2-core CPU demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the
+drafter off; from the first verified probe on, L_AR followed them while Ĉ, with one verify pass to learn from,
+stayed near the profile's 107 ms for a 5-token pass that ran in 86 ms, and the gate vetoed drafting where
+`fixed:4` ran 1.14× plain decoding. Where the passes drift apart (at B = 8, priced from a profile measured at
+B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter passes 1.7×) m prices verify passes 12
+% high until verify passes are observed: a cautious error, where a current L_AR over a Ĉ that did not move put
+Ŝ about 1.7× too high and a probe verified a tree at an estimated 1.08 that cost two plain steps. Without a
+profile the bare roofline does not relate the two passes: there m is 1 and the planner prices L_AR with the
+plain correction as it stood at the last verify observation (`predict_plain_batch_as_of_verify`), once a plain
+step was observed before the last verify pass. `ema_factor` summarises the verify correction as a factor at
+its typical point: m·(a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens V
+saw.
 """
 
 from __future__ import annotations
@@ -637,9 +636,10 @@ class LatencyModel:
         self._bucket_array = None if self._buckets is None else np.array(self._buckets, dtype=np.int64)
         self._verify = self._new_correction()
         self._plain = self._new_correction()
-        # the plain correction as it stood at the last verify observation (as it started before any); None:
-        # the current one, no plain step observed since (copied when the next one comes)
-        self._plain_at_verify: OnlineCorrection | None = self._plain.copy()
+        # without a profile, the plain correction as it stood at the last verify observation (as it started
+        # before any); None: the current one (always with a profile; without one, no plain step observed
+        # since: copied when the next one comes)
+        self._plain_at_verify: OnlineCorrection | None = None if fit is not None else self._plain.copy()
         self._plain_memo: tuple[tuple[int, ...], float] | None = None  # the last batch's `_plain_seconds`
         floors = (("verify", self._verify_seconds(1, 0)), ("plain decode", self._plain_seconds([0])))
         for what, floor in floors:
@@ -692,7 +692,7 @@ class LatencyModel:
     def ema_factor(self) -> float:
         """The verify correction as one factor at its typical point, the machine factor included (1 before
         any observation)."""
-        return self._machine() * self._verify.factor
+        return self.machine_factor * self._verify.factor
 
     @property
     def drift(self) -> float:
@@ -703,10 +703,6 @@ class LatencyModel:
     def machine_factor(self) -> float:
         """The machine factor m verify predictions carry (module docstring, "Online correction"): a calibrated
         model's plain correction as one factor, once a plain step was observed; else 1."""
-        return self._machine()
-
-    def _machine(self) -> float:
-        """`machine_factor`."""
         if self._fit is None or not self._plain.observations:
             return 1.0
         return self._plain.factor
@@ -751,7 +747,7 @@ class LatencyModel:
     def predict(self, s: int, c: int) -> float:
         """Seconds of one verify pass of s tokens over c cached tokens, at the padded width, corrected."""
         width = self.padded_width(s)
-        return self._machine() * self._verify.correct(self._verify_seconds(width, c), width)
+        return self.machine_factor * self._verify.correct(self._verify_seconds(width, c), width)
 
     def predict_many(self, s: torch.Tensor, c: int) -> torch.Tensor:
         """Vectorised `predict`. s: [M] int64 widths; c: cached tokens. Returns [M] float64 seconds on s's
@@ -799,7 +795,7 @@ class LatencyModel:
             + fit.alpha_attn * (attention / prices.peak_flops)
             + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
-        return self._machine() * self._verify.correct_array(seconds, tokens)
+        return self.machine_factor * self._verify.correct_array(seconds, tokens)
 
     def predict_widths(self, s: np.ndarray, c: int) -> np.ndarray:
         """Seconds of single-request verify passes of s[m] tokens over c cached tokens, corrected online:
@@ -822,7 +818,7 @@ class LatencyModel:
             + fit.alpha_attn * (attention / prices.peak_flops)
             + fit.alpha_kv * (kv_bytes / prices.bandwidth)
         )
-        return self._machine() * self._verify.correct_array(seconds, tokens)
+        return self.machine_factor * self._verify.correct_array(seconds, tokens)
 
     def _token_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """β_fixed + α_gemm·G(T) + α_tok·min(T, T*), the fit's parts that depend on a pass's tokens alone.
@@ -841,7 +837,7 @@ class LatencyModel:
         width for the whole batch, the bucket of max_i s_i, so every request is padded to it.
         """
         terms = self._verify_batch_terms(s_per_request, c_per_request)
-        return self._machine() * self._verify.correct(self.latency_fit.seconds(terms), terms.tokens)
+        return self.machine_factor * self._verify.correct(self.latency_fit.seconds(terms), terms.tokens)
 
     def predict_plain(self, c: int) -> float:
         """Seconds of one plain decode step (one token) over c cached tokens, corrected online."""
@@ -861,7 +857,7 @@ class LatencyModel:
         observed by then: the bare roofline does not relate the two passes (a DECODE step of a tiny model on
         a CPU measured 4× what the verify passes' correction made of its roofline), so nothing of that age
         prices a plain step."""
-        plain = self._plain if self._plain_at_verify is None or self.calibrated else self._plain_at_verify
+        plain = self._plain if self._plain_at_verify is None else self._plain_at_verify
         if not plain.observations and not self.calibrated:
             plain = self._plain
         return self._plain_prediction(plain, contexts)
@@ -879,14 +875,15 @@ class LatencyModel:
         non-positive seconds."""
         _check_seconds(seconds)
         width = self.padded_width(s)
-        self._verify.update(self._verify_seconds(width, c), width, float(seconds) / self._machine())
+        self._verify.update(self._verify_seconds(width, c), width, float(seconds) / self.machine_factor)
         self._plain_at_verify = None
 
     def observe_batch(self, s_per_request: TokenCounts, c_per_request: TokenCounts, seconds: float) -> None:
         """`observe` for one measured verify pass over a batch (padded as in `predict_batch`)."""
         _check_seconds(seconds)
         terms = self._verify_batch_terms(s_per_request, c_per_request)
-        self._verify.update(self.latency_fit.seconds(terms), terms.tokens, float(seconds) / self._machine())
+        observed = float(seconds) / self.machine_factor
+        self._verify.update(self.latency_fit.seconds(terms), terms.tokens, observed)
         self._plain_at_verify = None
 
     def observe_plain(self, c: int, seconds: float) -> None:
@@ -897,7 +894,7 @@ class LatencyModel:
         """Online update after a measured plain decode step over a batch, contexts: [B] cached tokens."""
         _check_seconds(seconds)
         c_list = _check_contexts(contexts)
-        if self._plain_at_verify is None:
+        if self._plain_at_verify is None and not self.calibrated:
             self._plain_at_verify = self._plain.copy()
         self._plain.update(self._plain_seconds(c_list), len(c_list), float(seconds))
 
