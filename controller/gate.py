@@ -1,35 +1,44 @@
 """Whether a decode step drafts: skip the drafter while speculation does not pay, re-probe with backoff.
 
 A drafted step's plan reports `BatchPlan.speculative_speedup`, the estimated speedup over plain decoding of
-the best speculative plan for that batch (drafter pass included, calibrated Â and latency). When it is at most
+the best speculative plan for that batch (drafter pass included, calibrated Â and latency). While the mean of
+the last `stretch_steps` (4) such estimates of a speculating stretch is at most
 `batch_objective.PAYING_SPEEDUP` (1.05: within the estimate's own error of plain decoding), plain decoding is
 as fast for such batches as far as the planner can tell, so the next steps skip the drafter and decode plainly
-(speedup exactly 1 by definition). After `backoff` skipped steps one step drafts again (a probe); if
-speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan beats
-plain decoding by that margin, every step drafts again and the backoff returns to `min_backoff`. A batch that
-shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps. Such a backoff
-probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction sees fresh
-evidence. (The correction also forgets its evidence over decode steps that verify nothing,
-`AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
+(speedup exactly 1 by definition). One step's estimate swings with the text at hand: on the CPU demo pair at
+c=1 and T=0.7, the drafted step after one at most PAYING_SPEEDUP read above it in 26 of 47 cases (1.12 on
+average), and judged alone each such step had cost a skipped step, a forced probe and often a backoff of tens
+of steps. A step whose own plan does not pay still decodes plainly (its plan declines); only the steps after
+it follow the stretch's mean. After `backoff` skipped steps one step drafts again (a probe, judged on its own
+estimate); if speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's
+best plan beats plain decoding by that margin, every step drafts again, a new stretch starts with the step
+after the probe and the backoff returns to `min_backoff`. The probe's own estimate is not part of the stretch:
+it is made at an acceptance correction that forgot its evidence over the skipped steps, and the step after it
+is the first planned with the probe's verified evidence (on the CPU test pair a drafter that never matched
+probed at 1.8 to 2.2 and its next steps read 0.83; counted in the stretch, each probe kept it drafting for
+four steps). A batch that shrinks, or text the drafter predicts well, is therefore picked up within
+`max_backoff` steps. Such a backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the
+acceptance correction sees fresh evidence. (The correction also forgets its evidence over decode steps that
+verify nothing, `AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
 than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
 speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`: the
 mean Â curve of the last four drafted steps of its own requests when the last drafted step drafted for every
-request of the batch, else the mean curve of the recent drafted steps; `speculation_ceiling` re-prices it at
-this batch's contexts and step costs). While the ceiling is at most PAYING_SPEEDUP, a probe the backoff asks
-for is skipped too and counts as a failed probe: the backoff doubles and the ceiling is asked again after it
-(pricing a curve cost 0.23 ms of host time per step on the CPU demo pair, 1 % of a plain step, when it was
-asked at every step of a backoff stuck at min_backoff). Only a refresh probe still runs (the text may have
-become easier), once the steps without drafting reach the refresh interval; a vetoed probe's backoff never
-runs past that point. While speculating the ceiling is not asked: each step's own plan decides, and for the
-batch the last step drafted for the ceiling would only repeat that plan's speculative speedup. Where the draft
-horizon held the trees back (h < D, `controller.horizon`), the curve is raised to what nodes below the horizon
-could add (`horizon_gain`, `reachable_accept`): after a decline the horizon is two positions, and a curve
-capped at depth 2 kept the gate closed for 50 steps on text the drafter predicted 15 tokens deep. A probe
-itself scores every position (`probing`, `DraftHorizon.open`), so the curve it leaves needs no raise: raised
-from two positions, such curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans read
-0.6 to 0.8.
+request of the batch, else the mean curve of the recent drafted steps; none before four drafted steps, so the
+first probes of a fresh engine run: its first step, one prompt's opening, had vetoed them for 64 steps and
+more on the CPU demo pair; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While
+the ceiling is at most PAYING_SPEEDUP, a probe the backoff asks for is skipped too and counts as a failed
+probe: the backoff doubles and the ceiling is asked again after it (pricing a curve cost 0.23 ms of host time
+per step on the CPU demo pair, 1 % of a plain step, when it was asked at every step of a backoff stuck at
+min_backoff). Only a refresh probe still runs (the text may have become easier), once the steps without
+drafting reach the refresh interval; a vetoed probe's backoff never runs past that point. While speculating
+the ceiling is not asked: the stretch's own plans decide. Where the draft horizon held the trees back (h < D,
+`controller.horizon`), the curve is raised to what nodes below the horizon could add (`horizon_gain`,
+`reachable_accept`): after a decline the horizon is two positions, and a curve capped at depth 2 kept the gate
+closed for 50 steps on text the drafter predicted 15 tokens deep. A probe itself scores every position
+(`probing`, `DraftHorizon.open`), so the curve it leaves needs no raise: raised from two positions, such
+curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans read 0.6 to 0.8.
 
 A refresh probe only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes
 plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps.
@@ -63,6 +72,10 @@ if TYPE_CHECKING:
     from bastion_sglang.controller.profile import StepCosts
 
 
+STRETCH_STEPS = 4
+"""Drafted steps of a speculating stretch whose mean estimated speedup decides whether it goes on."""
+
+
 @dataclass(frozen=True)
 class SpeculationCeiling:
     """The best speculative plan of the batch at hand if its text is like the last drafted step's
@@ -83,6 +96,8 @@ class SpeculationGate:
     max_backoff: int = 64
     max_refresh: int = 256
     probe_share: float = 0.01
+    stretch_steps: int = STRETCH_STEPS
+    _stretch: deque[float] = field(default_factory=deque, init=False)
     _backoff: int = field(default=0, init=False)
     _skip_remaining: int = field(default=0, init=False)
     _skipped: int = field(default=0, init=False)
@@ -99,6 +114,9 @@ class SpeculationGate:
             )
         if not 0.0 < self.probe_share <= 1.0:
             raise ValueError(f"need 0 < probe_share <= 1, got {self.probe_share}")
+        if self.stretch_steps < 1:
+            raise ValueError(f"need stretch_steps >= 1, got {self.stretch_steps}")
+        self._stretch = deque(maxlen=self.stretch_steps)
         self._refresh_after = self.max_backoff
 
     def should_draft(
@@ -139,11 +157,20 @@ class SpeculationGate:
         return False
 
     def record(self, speculative_speedup: float) -> None:
-        """After a drafted step's plan: the estimated speedup of its best speculative plan."""
-        if speculative_speedup > PAYING_SPEEDUP:
+        """After a drafted step's plan: the estimated speedup of its best speculative plan. A probe is judged
+        on its own estimate and a step of a speculating stretch on the mean of the stretch's last
+        `stretch_steps` estimates (module docstring)."""
+        if self.probing:
+            self._stretch.clear()
+            pays = speculative_speedup > PAYING_SPEEDUP
+        else:
+            self._stretch.append(speculative_speedup)
+            pays = sum(self._stretch) / len(self._stretch) > PAYING_SPEEDUP
+        if pays:
             self._backoff = 0
             self._refresh_after = self.max_backoff
             return
+        self._stretch.clear()
         if self._refreshing:
             self._refresh_after = min(2 * self._refresh_after, self.max_refresh)
         self._back_off()
@@ -227,23 +254,26 @@ class DraftEvidence:
 
     A batch whose requests were all in the last drafted step gets the mean of the raised curves (raised to
     what nodes below the draft horizon could add, `reachable_accept`) of the last `own_steps` (4) drafted
-    steps that drafted for all of them: its own text, as recently seen. One step's curve swings with the text
-    at hand, and the ceiling re-prices it until a probe drafts again: priced on the last step alone, one step
-    that did not pay inside a stretch that did (on the CPU demo pair at c = 1, T = 0.7, a step at 0.88 after
-    twenty at 1.2 to 1.6) vetoed every probe until the refresh, 64 steps without drafting. A batch with a
-    request the last drafted step did not draft for (a request that just arrived, or a batch whose make-up
-    changed since) gets the mean of the last `capacity` drafted steps' raised curves: a request is expected to
-    read like the recent ones. Without that expectation every new request was a probe (a drafter pass and a
-    verified tree): on the 2-core CPU demo pair at concurrency 1, with 64-token requests, about one probe per
-    request, 2-3 % of decode time where speculation never paid. The mean over several steps, not the last one,
-    keeps one request's unpredictable tail from vetoing the requests after it (on the CPU test pair the last
-    steps of one request past its oracle's reference had kept the next batch of 8 fresh requests from drafting
-    for 100 to 120 steps). Nothing is known before the first drafted step (None).
+    steps that drafted for all of them: its own text, as recently seen. Where fewer than `own_steps` such
+    steps are known (a request drafted once so far), the recent steps' mean stands in for each missing one.
+    One step's curve swings with the text at hand, and the ceiling re-prices it until a probe drafts again:
+    priced on the last step alone, one step that did not pay inside a stretch that did (on the CPU demo pair
+    at c = 1, T = 0.7, a step at 0.88 after twenty at 1.2 to 1.6) vetoed every probe until the refresh, 64
+    steps without drafting. A batch with a request the last drafted step did not draft for (a request that
+    just arrived, or a batch whose make-up changed since) gets the mean of the last `capacity` drafted steps'
+    raised curves: a request is expected to read like the recent ones. Without that expectation every new
+    request was a probe (a drafter pass and a verified tree): on the 2-core CPU demo pair at concurrency 1,
+    with 64-token requests, about one probe per request, 2-3 % of decode time where speculation never paid.
+    The mean over several steps, not the last one, keeps one request's unpredictable tail from vetoing the
+    requests after it (on the CPU test pair the last steps of one request past its oracle's reference had kept
+    the next batch of 8 fresh requests from drafting for 100 to 120 steps). Nothing is known before
+    `own_steps` drafted steps (None): a fresh engine's first step alone, its first prompt's opening, is no
+    evidence of the text to come.
     """
 
     def __init__(self, capacity: int = RECENT_DRAFTED_STEPS, own_steps: int = OWN_TEXT_STEPS) -> None:
-        if capacity < 1 or own_steps < 1:
-            raise ValueError(f"capacity and own_steps must be >= 1, got {capacity} and {own_steps}")
+        if not 1 <= own_steps <= capacity:
+            raise ValueError(f"need 1 <= own_steps <= capacity, got {own_steps} and {capacity}")
         self._steps: deque[DraftedStep] = deque(maxlen=capacity)
         self._own_steps = own_steps
         self._mean: np.ndarray | None = None  # the recent steps' mean, computed when first asked
@@ -256,31 +286,25 @@ class DraftEvidence:
         self._mean = None
 
     @property
-    def has_steps(self) -> bool:
-        """Whether any drafted step was recorded (else `curve_for` is None)."""
-        return bool(self._steps)
+    def informed(self) -> bool:
+        """Whether `own_steps` drafted steps were recorded; before that `curve_for` is None."""
+        return len(self._steps) >= self._own_steps
 
     def curve_for(self, requests: Iterable[str], scale: float = 1.0) -> np.ndarray | None:
         """[N + 1] the raised Â curve for a batch of `requests` (ids) at the online correction `scale`, N the
-        longest curve of the steps it averages, never above 1 + n; None before any drafted step."""
-        if not self._steps:
+        longest curve of the recent steps, never above 1 + n; None before `own_steps` drafted steps."""
+        if not self.informed:
             return None
+        nodes = max(len(step.accept_curve) for step in self._steps) - 1
+        if self._mean is None:
+            self._mean = np.mean([_per_unit_correction(step, nodes) for step in self._steps], axis=0)
+        unit = self._mean
         wanted = frozenset(requests)
         if self._steps[-1].covers(wanted):
             own = [step for step in reversed(self._steps) if step.covers(wanted)][: self._own_steps]
-            unit = _mean_curve(own)
-        else:
-            if self._mean is None:
-                self._mean = _mean_curve(self._steps)
-            unit = self._mean
+            missing = self._own_steps - len(own)
+            unit = (sum(_per_unit_correction(step, nodes) for step in own) + missing * unit) / self._own_steps
         return np.minimum(1.0 + scale * (unit - 1.0), 1.0 + np.arange(unit.shape[0], dtype=np.float64))
-
-
-def _mean_curve(steps: Iterable[DraftedStep]) -> np.ndarray:
-    """[N + 1] the mean of the steps' raised curves at correction 1, N the longest of their curves'."""
-    steps = list(steps)
-    nodes = max(len(step.accept_curve) for step in steps) - 1
-    return np.mean([_per_unit_correction(step, nodes) for step in steps], axis=0)
 
 
 def _per_unit_correction(step: DraftedStep, nodes: int) -> np.ndarray:

@@ -95,6 +95,29 @@ def test_a_paying_probe_resumes_speculation() -> None:
     assert all(drafted_steps(gate, 1.2, 10))
 
 
+def test_one_step_below_the_bar_does_not_end_a_paying_stretch() -> None:
+    """A speculating stretch goes on while the mean of its last four estimates pays: one step at 0.95 after
+    four at 1.3 does not close the gate, the third in a row does (1.3, 0.95, 0.95, 0.95: 1.04)."""
+    gate = SpeculationGate()
+    assert all(drafted_steps(gate, 1.3, 4))
+    assert drafted_steps(gate, 0.95, 3) == [True, True, True] and gate.skipping
+    assert not gate.should_draft()
+
+
+def test_a_probe_is_judged_on_its_own_estimate_and_starts_a_new_stretch() -> None:
+    """A probe at 1.3 after steps at 0.5 resumes speculation on its own estimate, which is not part of the
+    stretch it opens: after it, steps at 1.2 and 0.95 go on (mean 1.075) and a second 0.95 ends the stretch
+    (1.03; with the probe's 1.3 counted it would be 1.1)."""
+    gate = SpeculationGate(min_backoff=1, max_backoff=4)
+    drafted_steps(gate, 0.5, 10)
+    while not gate.should_draft():
+        pass
+    gate.record(1.3)
+    assert not gate.skipping
+    assert drafted_steps(gate, 1.2, 1) == [True]
+    assert drafted_steps(gate, 0.95, 2) == [True, True] and gate.skipping
+
+
 def test_bad_backoff_is_refused() -> None:
     with pytest.raises(ValueError, match="min_backoff <= max_backoff"):
         SpeculationGate(min_backoff=4, max_backoff=2)
@@ -102,6 +125,8 @@ def test_bad_backoff_is_refused() -> None:
         SpeculationGate(min_backoff=1, max_backoff=8, max_refresh=4)
     with pytest.raises(ValueError, match="0 < probe_share <= 1"):
         SpeculationGate(probe_share=0.0)
+    with pytest.raises(ValueError, match="stretch_steps >= 1"):
+        SpeculationGate(stretch_steps=0)
 
 
 class Ceiling:
@@ -360,21 +385,24 @@ def test_a_drafted_steps_curve_reaches_past_its_own_nodes_by_its_deeper_gain() -
 
 def test_evidence_prices_a_covered_batch_on_its_own_steps_and_new_requests_on_the_recent_mean() -> None:
     evidence = DraftEvidence(capacity=3, own_steps=2)
-    assert evidence.curve_for(["a"]) is None  # nothing drafted yet
+    assert evidence.curve_for(["a"]) is None and not evidence.informed  # nothing drafted yet
     evidence.record(DraftedStep((1.0, 1.9, 2.7), 0.0, frozenset({"a"})))
+    assert evidence.curve_for(["a"]) is None and not evidence.informed  # one step is no evidence yet
     evidence.record(DraftedStep((1.0, 2.0), 0.5, frozenset({"b"})))
     evidence.record(DraftedStep((1.0, 1.0, 1.0), 0.0, frozenset({"a", "b"})))
-    assert evidence.curve_for(["b", "a"]).tolist() == [1.0, 1.0, 1.0]  # the only step of both requests
+    assert evidence.informed
+    # the only step of both requests, and the recent steps' mean in place of the second own step
+    both = [1.0, (1.0 + (1.9 + 2.0 + 1.0) / 3) / 2, (1.0 + (2.7 + 2.5 + 1.0) / 3) / 2]
+    assert evidence.curve_for(["b", "a"]).tolist() == pytest.approx(both)
     # "a" alone: its own last two steps, the one between them for "b" left out
     assert evidence.curve_for(["a"]).tolist() == pytest.approx([1.0, (1.9 + 1.0) / 2, (2.7 + 1.0) / 2])
     mean = [1.0, (1.9 + 2.0 + 1.0) / 3, (2.7 + 2.5 + 1.0) / 3]
     assert evidence.curve_for(["a", "c"]).tolist() == pytest.approx(mean)  # "c": the recent steps' mean
     evidence.record(DraftedStep((1.0, 1.8, 2.4), 0.0, frozenset({"d"})))  # the first step is forgotten
     assert evidence.curve_for(["c"]).tolist() == pytest.approx([1.0, 4.8 / 3, 5.9 / 3])
-    with pytest.raises(ValueError, match="capacity and own_steps"):
-        DraftEvidence(capacity=0)
-    with pytest.raises(ValueError, match="capacity and own_steps"):
-        DraftEvidence(own_steps=0)
+    for capacity, own_steps in ((0, 1), (4, 0), (3, 4)):
+        with pytest.raises(ValueError, match="1 <= own_steps <= capacity"):
+            DraftEvidence(capacity=capacity, own_steps=own_steps)
 
 
 def test_one_step_that_did_not_pay_does_not_veto_its_own_text() -> None:

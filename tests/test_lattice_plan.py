@@ -11,6 +11,7 @@ import torch
 
 from bastion_sglang.controller.acceptance import AcceptanceCalibration
 from bastion_sglang.controller.batched import build_trees, lattice_size
+from bastion_sglang.controller.gate import OWN_TEXT_STEPS
 from bastion_sglang.controller.horizon import DraftHorizon
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.lattice_tree import (
@@ -132,9 +133,10 @@ def test_a_lattice_of_independent_positions_plans_as_its_top_k(policy: BudgetPol
     torch.testing.assert_close(weighted.logprobs, top.logprobs)
     by_lattice, by_top = controller(policy, 20), controller(policy, 20)
     contexts, greedy, requests = [100, 300], [True, False], ["a", "b"]
-    planned = plan_draft(by_lattice, by_lattice.begin(contexts, greedy, requests), lattice, branching=4)
-    expected = by_top.plan(by_top.begin(contexts, greedy, requests), weighted)
-    assert planned.plan == expected.plan and planned.scales == expected.scales and planned.top is top
+    for _ in range(OWN_TEXT_STEPS):  # the evidence prices a curve once it holds that many steps
+        planned = plan_draft(by_lattice, by_lattice.begin(contexts, greedy, requests), lattice, branching=4)
+        expected = by_top.plan(by_top.begin(contexts, greedy, requests), weighted)
+        assert planned.plan == expected.plan and planned.scales == expected.scales and planned.top is top
     trees = build_trees(weighted.logprobs, top.token_ids, 20)
     assert torch.equal(planned.trees.tokens, trees.tokens) and torch.equal(
         planned.trees.parents, trees.parents
@@ -170,9 +172,10 @@ def test_a_calibrated_controller_plans_the_calibrated_transitions(policy: Budget
     mapped = DraftLattice(DraftTopK(certain, lattice.unary.token_ids), mapped_rows)
     calibrated, by_hand = controller(policy, 20, calibration), controller(policy, 20)
     contexts, greedy, requests = [100, 300], [True, False], ["a", "b"]
-    planned = plan_draft(calibrated, calibrated.begin(contexts, greedy, requests), lattice, branching=3)
-    expected = plan_draft(by_hand, by_hand.begin(contexts, greedy, requests), mapped, branching=3)
-    assert planned.plan == expected.plan and planned.scales == expected.scales
+    for _ in range(OWN_TEXT_STEPS):  # the evidence prices a curve once it holds that many steps
+        planned = plan_draft(calibrated, calibrated.begin(contexts, greedy, requests), lattice, branching=3)
+        expected = plan_draft(by_hand, by_hand.begin(contexts, greedy, requests), mapped, branching=3)
+        assert planned.plan == expected.plan and planned.scales == expected.scales
     for field in ("tokens", "parents", "depths"):
         assert torch.equal(getattr(planned.trees, field), getattr(expected.trees, field)), field
     assert torch.allclose(planned.trees.log_scores, expected.trees.log_scores, atol=1e-6, rtol=0.0)

@@ -21,6 +21,7 @@ from transformers.models.muse_glimmer_assistant import (
 )
 
 from bastion_sglang.controller import build_trees
+from bastion_sglang.controller.gate import STRETCH_STEPS
 from bastion_sglang.controller.latency import LatencyModel
 from bastion_sglang.controller.roofline import HardwareSpec
 from bastion_sglang.integration.drafter_config import DrafterMismatchError
@@ -195,7 +196,9 @@ def test_adaptive_skips_a_drafter_that_does_not_pay_and_keeps_its_context(target
             break  # the first probe after skipped steps: its drafter pass read the skipped positions
     first_skip = next(index for index, step in enumerate(steps) if step.draft is None)
     probe = len(steps) - 1
-    assert first_skip <= 4 and steps[probe].draft is not None, (first_skip, probe)
+    # the first steps plan at the uncorrected estimate (1.6 to 1.7 for this drafter) until the acceptance
+    # correction has verified passes to learn from; the stretch then ends once its mean estimate falls
+    assert first_skip <= 2 + STRETCH_STEPS and steps[probe].draft is not None, (first_skip, probe)
     assert probe - first_skip > 16  # a run of skipped steps, not one at a time
     assert all(step.draft is None and step.nodes == 0 for step in steps[first_skip:probe])
     assert state.controller is not None and state.controller.gate.skipped_share > 0.5

@@ -294,7 +294,7 @@ class StepController:
         runs the gate (the leader under TP; other ranks take its horizon). Policies that never decline
         always draft; a probe of the gate scores every position (`DraftHorizon.open`)."""
         if self.policy.may_decline and decides:
-            ceiling = functools.partial(self._ceiling, step) if self.evidence.has_steps else None
+            ceiling = functools.partial(self._ceiling, step) if self.evidence.informed else None
             if not self.gate.should_draft(ceiling, self.pay_bound(step)):
                 return 0
             if self.gate.probing:
@@ -306,7 +306,7 @@ class StepController:
         at today's acceptance correction, priced at the batch's contexts and step costs."""
         scales = self.acceptance_scales(step.greedy)
         curve = self.evidence.curve_for(step.requests, sum(scales) / len(scales))
-        assert curve is not None  # asked only once a step drafted
+        assert curve is not None  # asked only once the evidence is informed
         return speculation_ceiling(curve, step.contexts, self.latency, step.costs())
 
     def pay_bound(self, step: StepStart) -> SpeculationCeiling | None:
