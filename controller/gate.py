@@ -24,8 +24,8 @@ verify nothing, `AcceptanceTracker`, so a pessimistic one cannot keep speculatio
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
 than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
 speculative plan this batch would get if its text were like the recent drafted steps' (`DraftEvidence`: the
-mean Â curve of the last four drafted steps of its own requests when the last drafted step drafted for every
-request of the batch, else the mean curve of the recent drafted steps; none before four drafted steps, so the
+mean Â curve of the last eight drafted steps of its own requests when the last drafted step drafted for every
+request of the batch, else the mean curve of the recent drafted steps; none before eight drafted steps, so the
 first probes of a fresh engine run: its first step, one prompt's opening, had vetoed them for 64 steps and
 more on the CPU demo pair; `speculation_ceiling` re-prices it at this batch's contexts and step costs). While
 the ceiling is at most PAYING_SPEEDUP, a probe the backoff asks for is skipped too and counts as a failed
@@ -239,8 +239,9 @@ class DraftedStep:
 
 RECENT_DRAFTED_STEPS = 16
 """Drafted steps whose curves `DraftEvidence` averages for requests the last drafted step did not cover."""
-OWN_TEXT_STEPS = 4
-"""Drafted steps of a batch's own requests whose curves `DraftEvidence` averages for that batch."""
+OWN_TEXT_STEPS = 2 * STRETCH_STEPS
+"""Drafted steps of a batch's own requests whose curves `DraftEvidence` averages for that batch: the last
+STRETCH_STEPS, which ended its stretch, and as many before them."""
 
 
 class DraftEvidence:
@@ -253,8 +254,13 @@ class DraftEvidence:
     at a pessimistic c' vetoed the gate's probes until its refresh, 64 steps and more.
 
     A batch whose requests were all in the last drafted step gets the mean of the raised curves (raised to
-    what nodes below the draft horizon could add, `reachable_accept`) of the last `own_steps` (4) drafted
-    steps that drafted for all of them: its own text, as recently seen. Where fewer than `own_steps` such
+    what nodes below the draft horizon could add, `reachable_accept`) of the last `own_steps` (8) drafted
+    steps that drafted for all of them: its own text, as recently seen. Twice the gate's `stretch_steps`: a
+    stretch of speculation ends when the mean estimate of its last `stretch_steps` steps falls to the bar, so
+    those steps read below it by selection. Priced on them alone (a traced run of the CPU demo pair at c = 1,
+    T = 0.7), the ceiling vetoed the first backoff probe after 8 of 13 stretches, each veto keeping the
+    drafter off until a refresh 64 to 256 steps later, while backoff probes that did run opened stretches of
+    20 to 90 steps estimated at 1.1 to 1.5. Where fewer than `own_steps` such
     steps are known (a request drafted once so far), the recent steps' mean stands in for each missing one.
     One step's curve swings with the text at hand, and the ceiling re-prices it until a probe drafts again:
     priced on the last step alone, one step that did not pay inside a stretch that did (on the CPU demo pair

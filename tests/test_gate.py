@@ -11,6 +11,8 @@ import torch
 from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, build_trees, plan_batch
 from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP
 from bastion_sglang.controller.gate import (
+    OWN_TEXT_STEPS,
+    STRETCH_STEPS,
     DraftedStep,
     DraftEvidence,
     SpeculationCeiling,
@@ -406,9 +408,10 @@ def test_evidence_prices_a_covered_batch_on_its_own_steps_and_new_requests_on_th
 
 
 def test_one_step_that_did_not_pay_does_not_veto_its_own_text() -> None:
-    """Twenty drafted steps of one request estimated well above plain decoding, then one step that was not:
-    the request's own batch is still priced above plain decoding (the mean of its last four steps), so the
-    gate's next probe runs; four such steps in a row price it below."""
+    """Twenty drafted steps of one request estimated well above plain decoding, then steps that were not: the
+    request's own batch is still priced above plain decoding (the mean of its last OWN_TEXT_STEPS steps)
+    after one such step and after the STRETCH_STEPS that end a speculating stretch, so the gate's next probe
+    runs; OWN_TEXT_STEPS such steps in a row price it below."""
     model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
     l_ar = model.predict_plain_batch([300])
     costs = StepCosts(t_draft=0.2 * l_ar, t_aux=0.0, l_ar=l_ar)
@@ -421,22 +424,26 @@ def test_one_step_that_did_not_pay_does_not_veto_its_own_text() -> None:
     evidence.record(DraftedStep(dip, 0.0, frozenset({"a"})))
     assert speculation_ceiling(dip, [300], model, costs).speedup < PAYING_SPEEDUP
     assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup > PAYING_SPEEDUP
-    for _ in range(3):
+    for _ in range(STRETCH_STEPS - 1):
+        evidence.record(DraftedStep(dip, 0.0, frozenset({"a"})))
+    assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup > PAYING_SPEEDUP
+    for _ in range(OWN_TEXT_STEPS - STRETCH_STEPS):
         evidence.record(DraftedStep(dip, 0.0, frozenset({"a"})))
     assert speculation_ceiling(evidence.curve_for(["a"]), [300], model, costs).speedup < PAYING_SPEEDUP
 
 
 def test_one_requests_unpredictable_tail_does_not_veto_the_next_requests() -> None:
-    """Twelve drafted steps of text predicted 15 deep, then four of one request's tail the drafter cannot
-    predict: that request's own batch is priced below plain decoding, a batch of new requests above it."""
+    """Eight drafted steps of text predicted 15 deep, then OWN_TEXT_STEPS of one request's tail the drafter
+    cannot predict: that request's own batch is priced below plain decoding, a batch of new requests above
+    it."""
     model = LatencyModel(RooflineModel(QWEN3_8B, lookup_gpu("H100 SXM")))
     l_ar = model.predict_plain_batch([300] * 8)
     costs = StepCosts(t_draft=l_ar, t_aux=0.0, l_ar=l_ar)
     evidence = DraftEvidence(capacity=16)
     predicted = tuple(float(min(n, 15)) + 1.0 for n in range(17))
-    for _ in range(12):
+    for _ in range(8):
         evidence.record(DraftedStep(predicted, 0.0, frozenset({"old"})))
-    for _ in range(4):
+    for _ in range(OWN_TEXT_STEPS):
         evidence.record(DraftedStep((1.0,) + (1.02,) * 16, 0.0, frozenset({"old"})))
     assert speculation_ceiling(evidence.curve_for(["old"]), [300], model, costs).speedup < 1.0
     fresh = evidence.curve_for([f"new{i}" for i in range(8)])
