@@ -12,6 +12,7 @@ from bastion_sglang.controller import AdaptivePolicy, ChainPolicy, FixedPolicy, 
 from bastion_sglang.controller.batch_objective import PAYING_SPEEDUP
 from bastion_sglang.controller.gate import (
     OWN_TEXT_STEPS,
+    STRETCH_SPEEDUP,
     STRETCH_STEPS,
     DraftedStep,
     DraftEvidence,
@@ -97,27 +98,34 @@ def test_a_paying_probe_resumes_speculation() -> None:
     assert all(drafted_steps(gate, 1.2, 10))
 
 
-def test_one_step_below_the_bar_does_not_end_a_paying_stretch() -> None:
-    """A speculating stretch goes on while the mean of its last four estimates pays: one step at 0.95 after
-    four at 1.3 does not close the gate, the third in a row does (1.3, 0.95, 0.95, 0.95: 1.04)."""
+def test_a_stretch_goes_on_while_its_mean_estimate_beats_plain_decoding() -> None:
+    """A speculating stretch goes on while the mean of its last four estimates is above 1 (STRETCH_SPEEDUP),
+    below the PAYING_SPEEDUP a probe must beat: steps at 0.95 after four at 1.3 keep it going through the
+    means 1.21, 1.125 and 1.0375, and the fourth in a row ends it (0.95)."""
+    assert STRETCH_SPEEDUP < PAYING_SPEEDUP
     gate = SpeculationGate()
-    assert all(drafted_steps(gate, 1.3, 4))
-    assert drafted_steps(gate, 0.95, 3) == [True, True, True] and gate.skipping
+    assert all(drafted_steps(gate, 1.3, 5))
+    assert drafted_steps(gate, 0.95, 4) == [True] * 4 and gate.skipping
     assert not gate.should_draft()
 
 
 def test_a_probe_is_judged_on_its_own_estimate_and_starts_a_new_stretch() -> None:
     """A probe at 1.3 after steps at 0.5 resumes speculation on its own estimate, which is not part of the
-    stretch it opens: after it, steps at 1.2 and 0.95 go on (mean 1.075) and a second 0.95 ends the stretch
-    (1.03; with the probe's 1.3 counted it would be 1.1)."""
+    stretch it opens: after it, steps at 1.2 and 0.9 go on (mean 1.05) and a second 0.9 ends the stretch (1.0;
+    with the probe's 1.3 counted it would be 1.075). A probe at 1.02, above plain decoding but not by
+    PAYING_SPEEDUP, opens nothing."""
     gate = SpeculationGate(min_backoff=1, max_backoff=4)
     drafted_steps(gate, 0.5, 10)
+    while not gate.should_draft():
+        pass
+    gate.record(1.02)
+    assert gate.skipping
     while not gate.should_draft():
         pass
     gate.record(1.3)
     assert not gate.skipping
     assert drafted_steps(gate, 1.2, 1) == [True]
-    assert drafted_steps(gate, 0.95, 2) == [True, True] and gate.skipping
+    assert drafted_steps(gate, 0.9, 2) == [True, True] and gate.skipping
 
 
 def test_bad_backoff_is_refused() -> None:
