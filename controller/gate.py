@@ -47,13 +47,14 @@ curves put the ceiling of fresh requests at 1.1 to 1.6 where their probes' plans
 A refresh probe only re-drafts: its plan verifies a tree when the fresh estimate pays and otherwise decodes
 plainly, so it costs the drafter pass and the planning, `SpeculationCeiling.refresh_steps` plain steps.
 (Verifying the declined tree as well cost about twice that on the 2-core CPU at B = 8.) The refresh interval
-starts at `max_backoff`, doubles with each refresh that finds speculation still unprofitable, up to
-`max_refresh`, and returns to `max_backoff` after any probe that pays. It is also never shorter than
-refresh_steps / `probe_share`, which keeps the expected cost of refreshes at `probe_share` of the decode time
-(1 %) as far as `max_refresh` allows: where a drafter pass costs 0.9 plain steps (the CPU at B = 8) refreshes
-wait at least 90 steps instead of 64; where probes are cheap (a GPU, one request) `max_backoff` decides. When
-the batch shrinks the drafter gets cheaper, the ceiling rises above PAYING_SPEEDUP and the backoff's probes
-run again.
+starts at `max_backoff`, doubles with each refresh whose estimate is at most STRETCH_SPEEDUP (one that does
+not beat PAYING_SPEEDUP but would not lose keeps the interval; refreshes at 1.00 to 1.02 had stretched it to
+256 steps on the CPU demo pair), up to `max_refresh`, and returns to `max_backoff` after any probe that pays.
+It is also never shorter than refresh_steps / `probe_share`, which keeps the expected cost of refreshes at
+`probe_share` of the decode time (1 %) as far as `max_refresh` allows: where a drafter pass costs 0.9 plain
+steps (the CPU at B = 8) refreshes wait at least 90 steps instead of 64; where probes are cheap (a GPU, one
+request) `max_backoff` decides. When the batch shrinks the drafter gets cheaper, the ceiling rises above
+PAYING_SPEEDUP and the backoff's probes run again.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class SpeculationGate:
             self._refresh_after = self.max_backoff
             return
         self._stretch.clear()
-        if self._refreshing:
+        if self._refreshing and speculative_speedup <= STRETCH_SPEEDUP:
             self._refresh_after = min(2 * self._refresh_after, self.max_refresh)
         self._back_off()
         self._skip_remaining = self._backoff

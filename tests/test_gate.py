@@ -206,6 +206,23 @@ def test_failed_refreshes_stretch_the_refresh_interval_up_to_max_refresh() -> No
     assert [later - earlier - 1 for earlier, later in itertools.pairwise(probes)][:2] == [4, 8]
 
 
+def test_a_refresh_above_plain_decoding_keeps_the_refresh_interval() -> None:
+    """A refresh estimated above plain decoding (STRETCH_SPEEDUP) but not by PAYING_SPEEDUP opens nothing and
+    keeps the refresh interval; one at most STRETCH_SPEEDUP doubles it."""
+    between = (STRETCH_SPEEDUP + PAYING_SPEEDUP) / 2
+
+    def refresh_gaps(refresh_estimate: float) -> list[int]:
+        gate = SpeculationGate(min_backoff=1, max_backoff=4, max_refresh=16, probe_share=CHEAP_PROBES)
+        assert gate.should_draft()
+        gate.record(0.6)
+        drafted = drafted_steps(gate, refresh_estimate, 60, Ceiling(0.5))
+        probes = [step for step, draft in enumerate(drafted) if draft]
+        return [later - earlier - 1 for earlier, later in itertools.pairwise(probes)]
+
+    assert refresh_gaps(between)[:4] == [4, 4, 4, 4]
+    assert refresh_gaps(STRETCH_SPEEDUP)[:3] == [8, 16, 16]
+
+
 def test_a_speculating_gate_does_not_ask_the_ceiling() -> None:
     """While the plans pay, each step's plan decides: the ceiling is neither asked nor able to veto."""
     low = Ceiling(0.5)
