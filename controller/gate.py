@@ -7,23 +7,23 @@ own error of plain decoding) and goes on while the mean of its last `stretch_ste
 `STRETCH_SPEEDUP` (1.0, plain decoding); below it the next steps skip the drafter and decode plainly (speedup
 exactly 1 by definition). Drafting at an estimate between the two costs nothing in expectation and keeps the
 evidence fresh, where skipping gives up what the text pays until a probe finds it again: on the CPU demo pair
-at c = 1 with real weights, `fixed:4`, drafting at every step, realised 1.13 to 1.22x plain decoding by the
-bench's step accounting in four runs, and a gate whose stretches ended at 1.05 realised 0.96 to 1.03x,
-drafting at a third of the steps or fewer. One step's estimate swings with the text at hand: on the CPU demo
-pair at c=1 and T=0.7, the drafted step after one at most PAYING_SPEEDUP read above it in 26 of 47 cases (1.12
-on average), and judged alone each such step had cost a skipped step, a forced probe and often a backoff of
-tens of steps. A step whose own plan does not pay still decodes plainly (its plan declines); only the steps
-after it follow the stretch's mean. After `backoff` skipped steps one step drafts again (a probe, judged on
-its own estimate); if speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a
-probe's best plan beats plain decoding by that margin, every step drafts again, a new stretch starts with the
-step after the probe and the backoff returns to `min_backoff`. The probe's own estimate is not part of the
-stretch: it is made at an acceptance correction that forgot its evidence over the skipped steps, and the step
-after it is the first planned with the probe's verified evidence (on the CPU test pair a drafter that never
-matched probed at 1.8 to 2.2 and its next steps read 0.83; counted in the stretch, each probe kept it drafting
-for four steps). A batch that shrinks, or text the drafter predicts well, is therefore picked up within
-`max_backoff` steps. Such a backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the
-acceptance correction sees fresh evidence. (The correction also forgets its evidence over decode steps that
-verify nothing, `AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
+at c = 1 with real weights, `fixed:4`, drafting at every step, read 0.99 to 1.16x plain decoding's decode
+tokens/s in three bench runs, where a gate whose stretches ended at 1.05 read 0.95 to 1.06x, drafting at a
+third of the steps or fewer. One step's estimate swings with the text at hand: on the CPU demo pair at c=1 and
+T=0.7, the drafted step after one at most PAYING_SPEEDUP read above it in 26 of 47 cases (1.12 on average),
+and judged alone each such step had cost a skipped step, a forced probe and often a backoff of tens of steps.
+A step whose own plan does not pay still decodes plainly (its plan declines); only the steps after it follow
+the stretch's mean. After `backoff` skipped steps one step drafts again (a probe, judged on its own estimate);
+if speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan
+beats plain decoding by that margin, every step drafts again, a new stretch starts with the step after the
+probe and the backoff returns to `min_backoff`. The probe's own estimate is not part of the stretch: it is
+made at an acceptance correction that forgot its evidence over the skipped steps, and the step after it is the
+first planned with the probe's verified evidence (on the CPU test pair a drafter that never matched probed at
+1.8 to 2.2 and its next steps read 0.83; counted in the stretch, each probe kept it drafting for four steps).
+A batch that shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps.
+Such a backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction
+sees fresh evidence. (The correction also forgets its evidence over decode steps that verify nothing,
+`AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
 than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
