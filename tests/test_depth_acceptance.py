@@ -191,12 +191,13 @@ def test_fitted_on_hard_text_then_serving_easy_text_the_trees_grow() -> None:
 
 
 def test_fitted_on_easy_text_then_serving_hard_text_the_trees_shrink() -> None:
-    """The reverse: no map (the drafter says 90 %), the text accepts rank 0 27 % of the time: within 30
-    steps the trees shrink to those the true map plans."""
-    truth = np.mean(_serve(_controller(HARD), 0.27, 60, seed=3).nodes[-30:])
+    """The reverse: no map (the drafter says 90 %), the text accepts rank 0 27 % of the time: the first tree
+    is at least twice what the true map plans, and over the last 30 of 60 steps the trees are within one node
+    of the true map's on average (steps where the gate skipped the drafter plan no tree and are left out)."""
+    truth = [nodes for nodes in _serve(_controller(HARD), 0.27, 60, seed=3).nodes[-30:] if nodes]
     learning = _serve(_controller(None), 0.27, 60, seed=4).nodes
-    assert learning[0] >= 2.0 * truth
-    assert np.mean(learning[-30:]) <= 1.3 * truth
+    assert learning[0] >= 2.0 * np.mean(truth)
+    assert np.mean([nodes for nodes in learning[-30:] if nodes]) <= np.mean(truth) + 1.0
 
 
 def test_the_scalar_correction_does_not_repeat_the_depth_maps() -> None:
