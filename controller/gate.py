@@ -9,21 +9,21 @@ exactly 1 by definition). Drafting at an estimate between the two costs nothing 
 evidence fresh, where skipping gives up what the text pays until a probe finds it again: on the CPU demo pair
 at c = 1 with real weights, `fixed:4`, drafting at every step, read 0.99 to 1.16x plain decoding's decode
 tokens/s in three bench runs, where a gate whose stretches ended at 1.05 read 0.95 to 1.06x, drafting at a
-third of the steps or fewer. One step's estimate swings with the text at hand: on the CPU demo pair at c=1 and
-T=0.7, the drafted step after one at most PAYING_SPEEDUP read above it in 26 of 47 cases (1.12 on average),
-and judged alone each such step had cost a skipped step, a forced probe and often a backoff of tens of steps.
-A step whose own plan does not pay still decodes plainly (its plan declines); only the steps after it follow
-the stretch's mean. After `backoff` skipped steps one step drafts again (a probe, judged on its own estimate);
-if speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's best plan
-beats plain decoding by that margin, every step drafts again, a new stretch starts with the step after the
-probe and the backoff returns to `min_backoff`. The probe's own estimate is not part of the stretch: it is
-made at an acceptance correction that forgot its evidence over the skipped steps, and the step after it is the
-first planned with the probe's verified evidence (on the CPU test pair a drafter that never matched probed at
-1.8 to 2.2 and its next steps read 0.83; counted in the stretch, each probe kept it drafting for four steps).
-A batch that shrinks, or text the drafter predicts well, is therefore picked up within `max_backoff` steps.
-Such a backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the acceptance correction
-sees fresh evidence. (The correction also forgets its evidence over decode steps that verify nothing,
-`AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
+third of the steps or fewer. One step's estimate swings with the text at hand: on the CPU demo pair at c = 1
+and T = 0.7, the drafted step after one at most PAYING_SPEEDUP read above it in 26 of 47 cases (1.12 on
+average), and judged alone each such step had cost a skipped step, a forced probe and often a backoff of tens
+of steps. A step whose own plan does not pay still decodes plainly (its plan declines); only the steps after
+it follow the stretch's mean. After `backoff` skipped steps one step drafts again (a probe, judged on its own
+estimate); if speculation still does not pay, the backoff doubles, up to `max_backoff`; as soon as a probe's
+best plan beats plain decoding by that margin, every step drafts again, a new stretch starts with the step
+after the probe and the backoff returns to `min_backoff`. The probe's own estimate is not part of the stretch:
+it is made at an acceptance correction that forgot its evidence over the skipped steps, and the step after it
+is the first planned with the probe's verified evidence (on the CPU test pair a drafter that never matched
+probed at 1.8 to 2.2 and its next steps read 0.83; counted in the stretch, each probe kept it drafting for
+four steps). A batch that shrinks, or text the drafter predicts well, is therefore picked up within
+`max_backoff` steps. Such a backoff probe verifies its tree whatever its estimate (`verifies_probe`), so the
+acceptance correction sees fresh evidence. (The correction also forgets its evidence over decode steps that
+verify nothing, `AcceptanceTracker`, so a pessimistic one cannot keep speculation off for good.)
 
 A probe costs a drafter pass, which grows with the batch (on a CPU 80 ms at B = 8 against 18 ms at B = 1, more
 than a plain step). So before drafting, the caller may pass a `ceiling`: the estimated speedup of the best
@@ -271,21 +271,20 @@ class DraftEvidence:
     those steps read below it by selection. Priced on them alone (a traced run of the CPU demo pair at c = 1,
     T = 0.7), the ceiling vetoed the first backoff probe after 8 of 13 stretches, each veto keeping the
     drafter off until a refresh 64 to 256 steps later, while backoff probes that did run opened stretches of
-    20 to 90 steps estimated at 1.1 to 1.5. Where fewer than `own_steps` such
-    steps are known (a request drafted once so far), the recent steps' mean stands in for each missing one.
-    One step's curve swings with the text at hand, and the ceiling re-prices it until a probe drafts again:
-    priced on the last step alone, one step that did not pay inside a stretch that did (on the CPU demo pair
-    at c = 1, T = 0.7, a step at 0.88 after twenty at 1.2 to 1.6) vetoed every probe until the refresh, 64
-    steps without drafting. A batch with a request the last drafted step did not draft for (a request that
-    just arrived, or a batch whose make-up changed since) gets the mean of the last `capacity` drafted steps'
-    raised curves: a request is expected to read like the recent ones. Without that expectation every new
-    request was a probe (a drafter pass and a verified tree): on the 2-core CPU demo pair at concurrency 1,
-    with 64-token requests, about one probe per request, 2-3 % of decode time where speculation never paid.
-    The mean over several steps, not the last one, keeps one request's unpredictable tail from vetoing the
-    requests after it (on the CPU test pair the last steps of one request past its oracle's reference had kept
-    the next batch of 8 fresh requests from drafting for 100 to 120 steps). Nothing is known before
-    `own_steps` drafted steps (None): a fresh engine's first step alone, its first prompt's opening, is no
-    evidence of the text to come.
+    20 to 90 steps estimated at 1.1 to 1.5. Where fewer than `own_steps` such steps are known (a request
+    drafted once so far), the recent steps' mean stands in for each missing one. One step's curve swings with
+    the text at hand, and the ceiling re-prices it until a probe drafts again: priced on the last step alone,
+    one step that did not pay inside a stretch that did (on the CPU demo pair at c = 1, T = 0.7, a step at
+    0.88 after twenty at 1.2 to 1.6) vetoed every probe until the refresh, 64 steps without drafting. A batch
+    with a request the last drafted step did not draft for (a request that just arrived, or a batch whose
+    make-up changed since) gets the mean of the last `capacity` drafted steps' raised curves: a request is
+    expected to read like the recent ones. Without that expectation every new request was a probe (a drafter
+    pass and a verified tree): on the 2-core CPU demo pair at concurrency 1, with 64-token requests, about one
+    probe per request, 2-3 % of decode time where speculation never paid. The mean over several steps, not the
+    last one, keeps one request's unpredictable tail from vetoing the requests after it (on the CPU test pair
+    the last steps of one request past its oracle's reference had kept the next batch of 8 fresh requests from
+    drafting for 100 to 120 steps). Nothing is known before `own_steps` drafted steps (None): a fresh engine's
+    first step alone, its first prompt's opening, is no evidence of the text to come.
     """
 
     def __init__(self, capacity: int = RECENT_DRAFTED_STEPS, own_steps: int = OWN_TEXT_STEPS) -> None:

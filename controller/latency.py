@@ -84,25 +84,25 @@ splits the correction between a and d there). What happens next depends on wheth
 Bounds: a in SCALE_BOUNDS, and the corrected prediction is at least CORRECTION_FLOOR × base × P, so it is
 never <= 0 (base = 1 for a calibrated model).
 Verify passes and plain decode steps (T = B requests) have one correction each; until a plain decode step has
-been observed, plain decoding borrows the verify passes' correction. The planner compares the two (Ŝ = Â·L_AR
-/ Ĉ), and while speculation is off only plain steps are measured: the plain correction follows the device (a
-bigger batch, a busier machine, a profile measured while the machine was slower) where the verify correction
-cannot. With a profile, which relates the two passes, verify predictions therefore carry the machine factor m,
-the plain correction as one factor (1 before any plain step): a verify pass is priced m·V(P, T), and the
-verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each observation), so its
-prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes the current L_AR. On
-the 2-core CPU demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while the gate kept the
-drafter off; from the first verified probe on, L_AR followed them while Ĉ, with one verify pass to learn from,
-stayed near the profile's 107 ms for a 5-token pass that ran in 86 ms, and the gate vetoed drafting where
-`fixed:4` ran 1.14× plain decoding. Where the passes drift apart (at B = 8, priced from a profile measured at
-B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter passes 1.7×) m prices verify passes 12
-% high until verify passes are observed: a cautious error, where a current L_AR over a Ĉ that did not move put
-Ŝ about 1.7× too high and a probe verified a tree at an estimated 1.08 that cost two plain steps. Without a
-profile the bare roofline does not relate the two passes: there m is 1 and the planner prices L_AR with the
-plain correction as it stood at the last verify observation (`predict_plain_batch_as_of_verify`), once a plain
-step was observed before the last verify pass. `ema_factor` summarises the verify correction as a factor at
-its typical point: m·(a·P̄ + d·T̄) / P̄, with P̄ and T̄ the weighted means of the predictions and tokens V
-saw.
+been observed, plain decoding borrows the verify passes' correction. The planner compares the two
+(Ŝ = Â·L_AR / Ĉ), and while speculation is off only plain steps are measured: the plain correction follows the
+device (a bigger batch, a busier machine, a profile measured while the machine was slower) where the verify
+correction cannot. With a profile, which relates the two passes, verify predictions therefore carry the
+machine factor m, the plain correction as one factor (1 before any plain step): a verify pass is priced
+m·V(P, T), and the verify correction V fits what is left, observed / m ≈ a·P + d·T (m as it stood at each
+observation), so its prior (a = 1, d = 0) says "verify passes move as plain steps do" and the planner takes
+the current L_AR. On the 2-core CPU demo pair (c = 1, T = 0.7) plain steps ran 0.8× a start-up profile while
+the gate kept the drafter off; from the first verified probe on, L_AR followed them while Ĉ, with one verify
+pass to learn from, stayed near the profile's 107 ms for a 5-token pass that ran in 86 ms, and the gate vetoed
+drafting where `fixed:4` ran 1.14× plain decoding. Where the passes drift apart (at B = 8, priced from a
+profile measured at B = 1, plain steps ran 1.8× the profile, verify passes 1.6× and drafter passes 1.7×) m
+prices verify passes 12 % high until verify passes are observed: a cautious error, where a current L_AR over a
+Ĉ that did not move put Ŝ about 1.7× too high and a probe verified a tree at an estimated 1.08 that cost two
+plain steps. Without a profile the bare roofline does not relate the two passes: there m is 1 and the planner
+prices L_AR with the plain correction as it stood at the last verify observation
+(`predict_plain_batch_as_of_verify`), once a plain step was observed before the last verify pass. `ema_factor`
+summarises the verify correction as a factor at its typical point: m·(a·P̄ + d·T̄) / P̄, with P̄ and T̄ the
+weighted means of the predictions and tokens V saw.
 """
 
 from __future__ import annotations
