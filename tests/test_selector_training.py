@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stop_signals import sigterm_after_step, sigterm_recorded
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from bastion_sglang.assets.prompt_sets import load_prompts
@@ -158,6 +159,17 @@ def test_training_lowers_the_loss_and_a_fresh_selector_walks_the_dflash_chain(
     trained = lattice_acceptance(run.selector, heldout)
     assert trained.dflash == fresh.dflash and trained.dflash2.blocks == fresh.dflash.blocks
     assert (tmp_path / "run" / "state.json").is_file() and (tmp_path / "run" / "selector-rows.pt").is_file()
+
+
+def test_sigterm_ends_the_selector_run_after_its_step_with_a_checkpoint(
+    backbone_path: Path, frozen: FrozenTarget, sequences: list, tmp_path: Path
+) -> None:
+    run = trainer(backbone_path, frozen, sequences, tmp_path / "run", steps=20)
+    sigterm_after_step(run, 2)
+    with sigterm_recorded() as received:
+        state = run.run(checkpoint_seconds=1e9)
+    assert received == [] and state.step == 3
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["step"] == 3
 
 
 def test_the_exported_drafter_proposes_the_lattice_it_was_measured_on(

@@ -9,11 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from stop_signals import sigterm_after_step, sigterm_recorded
 from tiny_models import MASK_ID, make_tiny_target
 
 from bastion_sglang.assets.prompt_sets import HELDOUT_FRACTION, chat_prompt_ids, load_prompts
@@ -23,6 +25,7 @@ from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config, export_drafter
 from bastion_sglang.training.data import TrainingSequence, load_training_sequences, read_manifest, regenerate
+from bastion_sglang.training.interrupt import StopOnSignal
 from bastion_sglang.training.train import (
     BlockBatch,
     FrozenTarget,
@@ -475,6 +478,34 @@ def test_resume_continues_from_the_saved_step(
     )
     with pytest.raises(ValueError, match=r"config\.lr was 0\.0006, this run has 0\.001"):
         mismatched.resume()
+
+
+def test_sigterm_ends_the_run_after_its_step_with_a_checkpoint_that_resumes(
+    target: Path, frozen: FrozenTarget, data_dir: Path, tmp_path: Path
+) -> None:
+    sequences = load_training_sequences(data_dir)
+    config = TrainConfig(steps=5, batch_sequences=2, anchors_per_sequence=4, warmup_steps=1, precision="fp32")
+    run = Trainer(drafter_config(target), config, frozen, sequences, tmp_path / "run", torch.device("cpu"))
+    sigterm_after_step(run, 1)
+    exported: list[int] = []
+    with sigterm_recorded() as received:
+        state = run.run(checkpoint_seconds=1e9, on_checkpoint=lambda t: exported.append(t.state.step))
+    assert received == [] and state.step == 2 and exported == [2]
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["step"] == 2
+
+    resumed = Trainer(
+        drafter_config(target), config, frozen, sequences, tmp_path / "run", torch.device("cpu")
+    )
+    resumed.resume()
+    assert resumed.run(checkpoint_seconds=1e9).step == 5
+
+
+def test_a_second_signal_during_the_checkpoint_gets_the_previous_handler() -> None:
+    with sigterm_recorded() as received, StopOnSignal("test") as stop:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested and stop.received == signal.SIGTERM and received == []
+        signal.raise_signal(signal.SIGTERM)
+        assert received == [signal.SIGTERM]
 
 
 def test_exported_checkpoint_loads_in_reference_and_sglang_parser(

@@ -416,6 +416,8 @@ def run(args: argparse.Namespace) -> int:
         measure(trainer)  # the starting drafter's figures, at step 0, on the same blocks
     state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
     print(f"drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
+    if state.step < state.config.steps:
+        print(f"stopped at step {state.step} of {state.config.steps}: rerun with --resume to go on")
     return 0
 
 

@@ -42,6 +42,7 @@ from bastion_sglang.integration.drafter_config import DrafterConfig, SelectorCon
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.selector import CandidateSelector, candidate_topk, transform_unary_logits
 from bastion_sglang.training.data import TrainingSequence
+from bastion_sglang.training.interrupt import StopOnSignal
 from bastion_sglang.training.train import (
     DEFAULT_LOSS_DECAY,
     STATE_JSON_NAME,
@@ -449,13 +450,17 @@ class SelectorTrainer:
         log_every: int = 25,
         on_checkpoint: Callable[[SelectorTrainer], None] | None = None,
     ) -> SelectorTrainingState:
-        """Train to config.steps; checkpoint every checkpoint_seconds and at the end, on_checkpoint first."""
+        """Train to config.steps; checkpoint every checkpoint_seconds and at the end, on_checkpoint first.
+
+        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`StopOnSignal`).
+        """
         self.rows()
         last_save, window = time.perf_counter(), []
-        with tqdm(
-            total=self.config.steps, initial=self.state.step, desc="train-selector", unit="step"
-        ) as bar:
-            while self.state.step < self.config.steps:
+        with (
+            StopOnSignal("train-selector") as stop,
+            tqdm(total=self.config.steps, initial=self.state.step, desc="train-selector", unit="step") as bar,
+        ):
+            while self.state.step < self.config.steps and not stop.requested:
                 began = time.perf_counter()
                 result = self.train_step(self.state.step)
                 window.append((float(result.loss.detach()), result.first_correct, result.first_total))
@@ -480,7 +485,7 @@ class SelectorTrainer:
                         point.first_position_accuracy,
                     )
                     window = []
-                if done or time.perf_counter() - last_save >= checkpoint_seconds:
+                if done or stop.requested or time.perf_counter() - last_save >= checkpoint_seconds:
                     if on_checkpoint is not None:
                         on_checkpoint(self)
                     self.save()

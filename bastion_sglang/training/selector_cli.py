@@ -139,6 +139,8 @@ def run(
 
     state = trainer.run(checkpoint_seconds=args.checkpoint_minutes * 60, on_checkpoint=export)
     print(f"DFlash2 drafter written to {args.out} after {state.step} steps ({state.seconds / 3600:.2f} h)")
+    if state.step < state.config.steps:
+        print(f"stopped at step {state.step} of {state.config.steps}: rerun with --resume to go on")
     return 0
 
 

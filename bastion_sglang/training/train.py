@@ -48,6 +48,7 @@ from tqdm import tqdm
 from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from bastion_sglang.training.data import TrainingSequence
+from bastion_sglang.training.interrupt import StopOnSignal
 
 logger = logging.getLogger(__name__)
 
@@ -692,11 +693,15 @@ class Trainer:
 
         on_checkpoint: called with the trainer just before each checkpoint is written (to export the
         drafter, measure acceptance and record it in `state`, which the checkpoint then stores).
+        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`StopOnSignal`).
         """
         last_save = time.perf_counter()
         window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
-        with tqdm(total=self.config.steps, initial=self.state.step, desc="train-drafter", unit="step") as bar:
-            while self.state.step < self.config.steps:
+        with (
+            StopOnSignal("train-drafter") as stop,
+            tqdm(total=self.config.steps, initial=self.state.step, desc="train-drafter", unit="step") as bar,
+        ):
+            while self.state.step < self.config.steps and not stop.requested:
                 began = time.perf_counter()
                 result = self.train_step(self.state.step)
                 loss = float(result.loss.detach())  # host sync once per step, for the log
@@ -729,7 +734,7 @@ class Trainer:
                         point.seconds,
                     )
                     window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
-                if done or time.perf_counter() - last_save >= checkpoint_seconds:
+                if done or stop.requested or time.perf_counter() - last_save >= checkpoint_seconds:
                     if on_checkpoint is not None:
                         on_checkpoint(self)
                     self.save()
