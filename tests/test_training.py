@@ -26,6 +26,7 @@ from bastion_sglang.training.card import read_card_metadata
 from bastion_sglang.training.cli import build_drafter_config, export_drafter
 from bastion_sglang.training.data import TrainingSequence, load_training_sequences, read_manifest, regenerate
 from bastion_sglang.training.interrupt import StopOnSignal
+from bastion_sglang.training.loop import learning_rate
 from bastion_sglang.training.train import (
     BlockBatch,
     FrozenTarget,
@@ -35,7 +36,6 @@ from bastion_sglang.training.train import (
     block_loss,
     drafter_forward,
     drafter_init,
-    learning_rate,
     load_frozen_target,
     make_blocks,
     position_weights,

@@ -15,7 +15,7 @@ states of the D slots (`train.drafter_forward`, the reference drafter's math), t
 Loss: cross-entropy of the true candidate under log_softmax(scores) of its reachable row (teacher forcing:
 the walk on the target's path), weighted by exp(-e/γ) for slot e as DFlash weighs its positions.
 Optimiser: AdamW over the selector's three tensors, linear warmup then cosine decay to zero
-(`train.learning_rate`). Start: `CandidateSelector.reset_for_training`, whose lattice is the unary logits'
+(`loop.learning_rate`). Start: `CandidateSelector.reset_for_training`, whose lattice is the unary logits'
 independent positions, so the untrained DFlash2 chain is the DFlash chain of its backbone.
 
 Measure (`lattice_acceptance`): on blocks at a stride over held-out responses, the accepted length of
@@ -42,7 +42,7 @@ from bastion_sglang.integration.drafter_config import DrafterConfig, SelectorCon
 from bastion_sglang.reference.drafter import DFlashDrafter
 from bastion_sglang.reference.selector import CandidateSelector, candidate_topk, transform_unary_logits
 from bastion_sglang.training.data import TrainingSequence
-from bastion_sglang.training.interrupt import StopOnSignal
+from bastion_sglang.training.loop import LogPoint, learning_rate, run_steps
 from bastion_sglang.training.train import (
     DEFAULT_LOSS_DECAY,
     STATE_JSON_NAME,
@@ -50,9 +50,7 @@ from bastion_sglang.training.train import (
     AcceptanceReport,
     FrozenTarget,
     InitialDrafter,
-    LogPoint,
     drafter_forward,
-    learning_rate,
     make_blocks,
     sample_anchors,
 )
@@ -452,42 +450,14 @@ class SelectorTrainer:
     ) -> SelectorTrainingState:
         """Train to config.steps; checkpoint every checkpoint_seconds and at the end, on_checkpoint first.
 
-        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`StopOnSignal`).
+        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`loop.run_steps`).
         """
         self.rows()
-        last_save, window = time.perf_counter(), []
-        with (
-            StopOnSignal("train-selector") as stop,
-            tqdm(total=self.config.steps, initial=self.state.step, desc="train-selector", unit="step") as bar,
-        ):
-            while self.state.step < self.config.steps and not stop.requested:
-                began = time.perf_counter()
-                result = self.train_step(self.state.step)
-                window.append((float(result.loss.detach()), result.first_correct, result.first_total))
-                self.state.step += 1
-                self.state.seconds += time.perf_counter() - began
-                bar.update(1)
-                done = self.state.step == self.config.steps
-                if self.state.step % log_every == 0 or done:
-                    point = LogPoint(
-                        step=self.state.step,
-                        loss=sum(w[0] for w in window) / len(window),
-                        first_position_accuracy=sum(w[1] for w in window) / max(1, sum(w[2] for w in window)),
-                        lr=learning_rate(self.config, self.state.step - 1),
-                        seconds=self.state.seconds,
-                    )
-                    self.state.history.append(point)
-                    logger.info(
-                        "step %d/%d loss %.4f acc@1 %.3f",
-                        point.step,
-                        self.config.steps,
-                        point.loss,
-                        point.first_position_accuracy,
-                    )
-                    window = []
-                if done or stop.requested or time.perf_counter() - last_save >= checkpoint_seconds:
-                    if on_checkpoint is not None:
-                        on_checkpoint(self)
-                    self.save()
-                    last_save = time.perf_counter()
+        run_steps(
+            self,
+            activity="train-selector",
+            checkpoint_seconds=checkpoint_seconds,
+            log_every=log_every,
+            on_checkpoint=on_checkpoint,
+        )
         return self.state

@@ -33,22 +33,19 @@ or with a new schedule (`drafter_init`).
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from tqdm import tqdm
 
 from bastion_sglang.integration.drafter_config import DrafterConfig
 from bastion_sglang.reference.drafter import DFlashDrafter, apply_rope, rope_cos_sin
 from bastion_sglang.training.data import TrainingSequence
-from bastion_sglang.training.interrupt import StopOnSignal
+from bastion_sglang.training.loop import LogPoint, learning_rate, run_steps
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +103,6 @@ class TrainConfig(BaseModel):
         if self.init_from_target and self.init_from_drafter is not None:
             raise ValueError("init_from_target and init_from_drafter exclude each other; choose one")
         return self
-
-
-class LogPoint(BaseModel):
-    """Training progress at one step."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    step: int
-    loss: float = Field(description="weighted cross-entropy, nats, mean over the steps since the last point")
-    first_position_accuracy: float = Field(description="argmax == target at block position 1, same window")
-    lr: float
-    seconds: float = Field(description="training wall time so far")
 
 
 class AcceptancePoint(BaseModel):
@@ -447,27 +432,6 @@ def batch_for_step(
     return chosen, sample_anchors(chosen, config.anchors_per_sequence, generator)
 
 
-class Schedule(Protocol):
-    """What `learning_rate` reads of a run's config (TrainConfig, `selector.SelectorTrainConfig`)."""
-
-    @property
-    def lr(self) -> float: ...
-
-    @property
-    def warmup_steps(self) -> int: ...
-
-    @property
-    def steps(self) -> int: ...
-
-
-def learning_rate(config: Schedule, step: int) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to 0 at `steps` (step counts from 0)."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 @dataclass(frozen=True)
 class FrozenTarget:
     """The target's pieces the drafter shares: embedding table and LM head weight [V, h], both frozen."""
@@ -680,6 +644,7 @@ class Trainer:
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
+        self.state.supervised_positions += result.labelled
         return result
 
     def run(
@@ -693,52 +658,15 @@ class Trainer:
 
         on_checkpoint: called with the trainer just before each checkpoint is written (to export the
         drafter, measure acceptance and record it in `state`, which the checkpoint then stores).
-        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`StopOnSignal`).
+        SIGTERM or SIGINT ends the run after the current step, with a checkpoint (`loop.run_steps`).
         """
-        last_save = time.perf_counter()
-        window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
-        with (
-            StopOnSignal("train-drafter") as stop,
-            tqdm(total=self.config.steps, initial=self.state.step, desc="train-drafter", unit="step") as bar,
-        ):
-            while self.state.step < self.config.steps and not stop.requested:
-                began = time.perf_counter()
-                result = self.train_step(self.state.step)
-                loss = float(result.loss.detach())  # host sync once per step, for the log
-                self.state.step += 1
-                self.state.seconds += time.perf_counter() - began
-                self.state.supervised_positions += result.labelled
-                window_loss += loss
-                window_correct += result.first_correct
-                window_total += result.first_total
-                window_steps += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}")
-                done = self.state.step == self.config.steps
-                if self.state.step % log_every == 0 or done:
-                    point = LogPoint(
-                        step=self.state.step,
-                        loss=window_loss / window_steps,
-                        first_position_accuracy=window_correct / max(1, window_total),
-                        lr=learning_rate(self.config, self.state.step - 1),
-                        seconds=self.state.seconds,
-                    )
-                    self.state.history.append(point)
-                    logger.info(
-                        "step %d/%d loss %.4f acc@1 %.3f lr %.2e (%.0f s)",
-                        point.step,
-                        self.config.steps,
-                        point.loss,
-                        point.first_position_accuracy,
-                        point.lr,
-                        point.seconds,
-                    )
-                    window_loss, window_correct, window_total, window_steps = 0.0, 0, 0, 0
-                if done or stop.requested or time.perf_counter() - last_save >= checkpoint_seconds:
-                    if on_checkpoint is not None:
-                        on_checkpoint(self)
-                    self.save()
-                    last_save = time.perf_counter()
+        run_steps(
+            self,
+            activity="train-drafter",
+            checkpoint_seconds=checkpoint_seconds,
+            log_every=log_every,
+            on_checkpoint=on_checkpoint,
+        )
         return self.state
 
 
