@@ -45,7 +45,8 @@ def make_model_pair(root: Path) -> tuple[Path, Path]:
 
 
 def engine_server_args(models: tuple[Path, Path], config: BastionConfig | None, **overrides: Any) -> Any:
-    """CPU fp32 `ServerArgs` (torch_native attention, no CUDA graphs, 8192 KV tokens, seed 0) for the pair.
+    """CPU fp32 `ServerArgs` (torch_native attention, no CUDA graphs, 8192 KV tokens, seed 0) for the pair;
+    an idle scheduler sleeps on its sockets (`sleep_on_idle`) instead of holding a core between requests.
 
     config None: no speculation; else BASTION with the drafter and `config` attached. `overrides` are more
     ServerArgs fields (e.g. chunked_prefill_size, disable_radix_cache).
@@ -65,6 +66,7 @@ def engine_server_args(models: tuple[Path, Path], config: BastionConfig | None, 
         mem_fraction_static=0.05,
         random_seed=0,
         log_level="error",
+        sleep_on_idle=True,
     )
     if config is not None:
         kwargs |= dict(speculative_algorithm="BASTION", speculative_draft_model_path=str(drafter))
